@@ -1,0 +1,50 @@
+"""offloop's event bus: wire format, publisher, subscriber, control channel, discovery.
+
+`bus` imports neither `trainer` nor `workers`; both import it.
+"""
+
+from bus.control import Ack, ControlClient, ControlRequest, ControlServer
+from bus.discovery import (
+    RunInfo,
+    default_runs_root,
+    find_run,
+    list_runs,
+    mark_finished,
+    read_run_info,
+    write_run_info,
+)
+from bus.errors import BusError, ControlTimeout, PublisherSilent, RunNotFound, WireError
+from bus.events import CHECKPOINT_SAVED, EVENT_TOPICS, RUN_TOPICS, Event
+from bus.publisher import DEFAULT_RETAINED, Publisher
+from bus.subscriber import JoinState, Subscriber
+from bus.wire import Limits, Message, TensorFrame
+
+__all__ = [
+    "Ack",
+    "BusError",
+    "CHECKPOINT_SAVED",
+    "ControlClient",
+    "ControlRequest",
+    "ControlServer",
+    "ControlTimeout",
+    "DEFAULT_RETAINED",
+    "EVENT_TOPICS",
+    "Event",
+    "JoinState",
+    "Limits",
+    "Message",
+    "Publisher",
+    "PublisherSilent",
+    "RUN_TOPICS",
+    "RunInfo",
+    "RunNotFound",
+    "Subscriber",
+    "TensorFrame",
+    "WireError",
+    "default_runs_root",
+    "find_run",
+    "list_runs",
+    "mark_finished",
+    "read_run_info",
+    "write_run_info",
+]

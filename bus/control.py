@@ -1,0 +1,301 @@
+"""Control channel: the ZeroMQ Guide's Lazy Pirate client and a deduplicating server.
+
+Promise: a halt or checkpoint request, retried until acknowledged, is applied at
+most once; a retry of an applied request gets the stored ack; the trainer's side
+costs one attribute check per batch boundary when nothing is pending.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from bus.errors import ControlTimeout, WireError
+from bus.wire import (
+    DEFAULT_LIMITS,
+    Limits,
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+)
+
+__all__ = ["ControlServer", "ControlClient", "ControlRequest", "Ack", "OPS"]
+
+#: The only requests that ever flow back to a trainer.
+OPS = ("halt", "checkpoint")
+
+
+@dataclass
+class ControlRequest:
+    """A request handed to the trainer; answer it once with `ack()` or `refuse()`."""
+
+    client: str
+    req: int
+    op: str
+    args: dict[str, Any]
+    received: float
+    _server: ControlServer | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.client, self.req)
+
+    def ack(self, **result: Any) -> None:
+        self._server._answer(self, ok=True, result=result, error=None)
+
+    def refuse(self, error: str, **result: Any) -> None:
+        self._server._answer(self, ok=False, result=result, error=error)
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The trainer's answer: `ok`, and for a checkpoint `result['path']` and `['step']`."""
+
+    client: str
+    req: int
+    op: str
+    ok: bool
+    result: dict[str, Any]
+    error: str | None
+
+
+@dataclass
+class ControlStats:
+    received: int = 0
+    duplicates: int = 0
+    malformed: int = 0
+    refused: int = 0
+    acked: int = 0
+    unauthorized: int = 0
+
+
+class ControlServer:
+    """ROUTER socket served by a thread; requests queue for the trainer's `poll()`."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: Limits = DEFAULT_LIMITS,
+        keep_acks: int = 4096,
+        authorize: Callable[[ControlRequest], str | None] | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.limits = limits
+        self.stats = ControlStats()
+        self.endpoint = ""
+        self._authorize = authorize
+        self._host, self._port = host, port
+        self._keep_acks = keep_acks
+        self._inbox: deque[ControlRequest] = deque()
+        self._outbox: deque[tuple[ControlRequest, bytes]] = deque()
+        self._pending: dict[tuple[str, int], bytes] = {}  # key -> latest routing identity
+        self._acks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._own_context = context is None
+        self._ctx = context or zmq.Context()
+        self._wake_lock = threading.Lock()
+        self._inproc = f"inproc://offloop-control-{uuid.uuid4().hex[:12]}"
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> str:
+        router = self._ctx.socket(zmq.ROUTER)
+        router.maxmsgsize = self.limits.max_body_bytes  # oversized requests never reach decode
+        router.linger = 0
+        router.bind(f"tcp://{self._host}:{self._port or '*'}")
+        self.endpoint = router.last_endpoint.decode()
+        wake = self._ctx.socket(zmq.PAIR)
+        wake.bind(self._inproc)
+        self._wake = self._ctx.socket(zmq.PAIR)
+        self._wake.connect(self._inproc)
+        self._thread = threading.Thread(target=self._serve, args=(router, wake), daemon=True,
+                                        name="offloop-control")
+        self._thread.start()
+        return self.endpoint
+
+    # ------------------------------------------------------- trainer side
+
+    def poll(self) -> list[ControlRequest]:
+        """Requests that arrived since the last call; never blocks."""
+        if not self._inbox:
+            return []
+        out = []
+        while self._inbox:
+            out.append(self._inbox.popleft())
+        return out
+
+    def _answer(self, request: ControlRequest, ok: bool, result: dict, error: str | None) -> None:
+        body = encode_reply("ack", client=request.client, req=request.req, op=request.op, ok=ok,
+                            result=result, error=error)
+        self._outbox.append((request, body))
+        with self._wake_lock:
+            try:
+                self._wake.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the server thread already has wake-ups queued; it drains the whole outbox
+
+    # ------------------------------------------------------- server thread
+
+    def _serve(self, router: zmq.Socket, wake: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if wake in ready:
+                    if not self._send_acks(router, wake):
+                        return
+                if router in ready:
+                    while router.poll(0):
+                        self._receive(router, router.recv_multipart(copy=False))
+        finally:
+            router.close(linger=0)
+            wake.close(linger=0)
+
+    def _send_acks(self, router: zmq.Socket, wake: zmq.Socket) -> bool:
+        alive = True
+        while wake.poll(0):
+            alive = wake.recv() != b"stop" and alive
+        while self._outbox:
+            request, body = self._outbox.popleft()
+            identity = self._pending.pop(request.key, None)
+            self._remember(request.key, body)
+            self.stats.acked += 1
+            if identity is not None:
+                router.send_multipart([identity, body])
+        return alive
+
+    def _remember(self, key: tuple[str, int], body: bytes) -> None:
+        self._acks[key] = body
+        while len(self._acks) > self._keep_acks:
+            self._acks.popitem(last=False)
+
+    def _receive(self, router: zmq.Socket, frames: list) -> None:
+        identity = frames[0].bytes
+        if len(frames) != 2:
+            self.stats.malformed += 1
+            return
+        try:
+            body = decode_request(frames[1], self.limits)
+            if body["k"] != "ctl":
+                raise WireError(f"request kind {body['k']!r} is not served on the control socket")
+        except WireError as exc:
+            self.stats.malformed += 1
+            router.send_multipart([identity, encode_reply("error", error=str(exc))])
+            return
+        self.stats.received += 1
+        request = ControlRequest(body["client"], body["req"], body["op"], body["args"],
+                                 time.time(), self)
+        key = request.key
+        if key in self._acks:
+            self.stats.duplicates += 1
+            router.send_multipart([identity, self._acks[key]])
+            return
+        if key in self._pending:
+            self.stats.duplicates += 1
+            self._pending[key] = identity  # the ack goes to the latest attempt
+            return
+        refusal = self._refusal(request)
+        if refusal:
+            self.stats.refused += 1
+            body = encode_reply("ack", client=request.client, req=request.req, op=request.op,
+                                ok=False, result={}, error=refusal)
+            self._remember(key, body)
+            router.send_multipart([identity, body])
+            return
+        self._pending[key] = identity
+        self._inbox.append(request)
+
+    def _refusal(self, request: ControlRequest) -> str | None:
+        if request.op not in OPS:
+            return f"unknown control op {request.op!r}; valid ops are {', '.join(OPS)}"
+        if self._authorize is not None:
+            reason = self._authorize(request)
+            if reason:
+                self.stats.unauthorized += 1
+                return reason
+        return None
+
+    def close(self) -> None:
+        if self._thread is not None:
+            with self._wake_lock:
+                self._wake.send(b"stop")
+            self._thread.join(timeout=5)
+            self._wake.close(linger=0)
+            self._thread = None
+        if self._own_context:
+            self._ctx.term()
+
+
+class ControlClient:
+    """Lazy Pirate: send, wait, and on silence reopen the socket and send again."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, endpoint: str, *, client_id: str | None = None,
+                 limits: Limits = DEFAULT_LIMITS, context: zmq.Context | None = None) -> None:
+        self.endpoint = endpoint
+        self.client_id = client_id or uuid.uuid4().hex[:12]
+        self.limits = limits
+        self.attempts = 0
+        self._own_context = context is None
+        self._ctx = context or zmq.Context()
+
+    def request(self, op: str, args: dict[str, Any] | None = None, *, timeout: float = 30.0,
+                retry: float = 0.5, req: int | None = None) -> Ack:
+        """Send until acknowledged; raises ControlTimeout after `timeout` seconds."""
+        req = next(self._ids) if req is None else req
+        body = encode_request("ctl", client=self.client_id, req=req, op=op, args=args or {},
+                              t=time.time())
+        deadline = time.monotonic() + timeout
+        while True:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.maxmsgsize = self.limits.max_body_bytes
+            try:
+                sock.connect(self.endpoint)
+                sock.send(body)
+                self.attempts += 1
+                until = min(deadline, time.monotonic() + retry)
+                while (left := until - time.monotonic()) > 0:
+                    if not sock.poll(left * 1000):
+                        break
+                    reply = decode_reply(sock.recv(), self.limits)
+                    if reply["k"] == "error":
+                        raise WireError(f"control server refused the message: {reply['error']}")
+                    if reply["k"] == "ack" and (reply["client"], reply["req"]) == (self.client_id, req):
+                        return Ack(reply["client"], reply["req"], reply["op"], reply["ok"],
+                                   reply["result"], reply.get("error"))
+            finally:
+                sock.close(linger=0)
+            if time.monotonic() >= deadline:
+                raise ControlTimeout(
+                    f"no acknowledgement for {op} from {self.endpoint} within {timeout:g}s "
+                    f"({self.attempts} attempts)"
+                )
+
+    def halt(self, reason: str = "", **kw: Any) -> Ack:
+        return self.request("halt", {"reason": reason}, **kw)
+
+    def checkpoint(self, tag: str = "", **kw: Any) -> Ack:
+        return self.request("checkpoint", {"tag": tag}, **kw)
+
+    def close(self) -> None:
+        if self._own_context:
+            self._ctx.term()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

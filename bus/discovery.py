@@ -1,0 +1,155 @@
+"""Run discovery: a run directory's run.json names the run's endpoints.
+
+Promise: run.json is always whole (written to a temporary file, then renamed), and
+a run is found by its directory, its name under a runs root, or its state endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bus.errors import RunNotFound
+
+__all__ = [
+    "RunInfo",
+    "RUN_FILE",
+    "default_runs_root",
+    "write_run_info",
+    "read_run_info",
+    "mark_finished",
+    "find_run",
+    "list_runs",
+]
+
+RUN_FILE = "run.json"
+
+
+@dataclass
+class RunInfo:
+    """What another process needs to find and talk to a run."""
+
+    run_id: str
+    run_name: str
+    pid: int
+    started: float
+    endpoints: dict[str, str]
+    host: str = field(default_factory=socket.gethostname)
+    finished: bool = False
+    run_dir: str = ""
+    world_size: int = 1
+    ranks: list[dict[str, str]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "run info") -> RunInfo:
+        known = {f for f in cls.__dataclass_fields__}
+        missing = [k for k in ("run_id", "run_name", "pid", "started", "endpoints") if k not in data]
+        if missing:
+            raise RunNotFound(f"{where} lacks {', '.join(missing)}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def default_runs_root() -> Path:
+    """$OFFLOOP_RUNS, or ./runs."""
+    return Path(os.environ.get("OFFLOOP_RUNS", "runs"))
+
+
+def write_run_info(run_dir: str | os.PathLike, info: RunInfo) -> Path:
+    """Write run.json atomically; the directory is created owner-only."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info.run_dir = str(run_dir.resolve())
+    target = run_dir / RUN_FILE
+    fd, tmp = tempfile.mkstemp(prefix=".run.", suffix=".json", dir=run_dir)
+    try:
+        with os.fdopen(fd, "w") as out:
+            json.dump(info.to_dict(), out, indent=2, sort_keys=True)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def read_run_info(run_dir: str | os.PathLike) -> RunInfo:
+    path = Path(run_dir) / RUN_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RunNotFound(f"{run_dir} is not a run directory: it has no {RUN_FILE}") from None
+    except (OSError, ValueError) as exc:
+        raise RunNotFound(f"{path} cannot be read: {exc}") from None
+    if not isinstance(data, dict):
+        raise RunNotFound(f"{path} does not hold a JSON object")
+    return RunInfo.from_dict(data, str(path))
+
+
+def mark_finished(run_dir: str | os.PathLike) -> None:
+    info = read_run_info(run_dir)
+    info.finished = True
+    write_run_info(run_dir, info)
+
+
+def find_run(spec: str, runs_root: str | os.PathLike | None = None, timeout: float = 2.0) -> RunInfo:
+    """A run from a directory, a name under `runs_root`, or a ``tcp://`` state endpoint."""
+    if "://" in spec:
+        return _ask_endpoint(spec, timeout)
+    path = Path(spec)
+    if (path / RUN_FILE).exists():
+        return read_run_info(path)
+    root = Path(runs_root) if runs_root is not None else default_runs_root()
+    if (root / spec / RUN_FILE).exists():
+        return read_run_info(root / spec)
+    names = sorted(p.parent.name for p in root.glob(f"*/{RUN_FILE}")) if root.is_dir() else []
+    hint = f"runs under {root}: {', '.join(names)}" if names else f"no runs under {root}"
+    raise RunNotFound(f"no run {spec!r}: not a run directory, nor a run name ({hint})")
+
+
+def list_runs(runs_root: str | os.PathLike | None = None) -> list[RunInfo]:
+    root = Path(runs_root) if runs_root is not None else default_runs_root()
+    if not root.is_dir():
+        return []
+    runs = []
+    for path in sorted(root.glob(f"*/{RUN_FILE}")):
+        try:
+            runs.append(read_run_info(path.parent))
+        except RunNotFound:
+            continue
+    return sorted(runs, key=lambda r: r.started)
+
+
+def _ask_endpoint(endpoint: str, timeout: float) -> RunInfo:
+    import zmq
+
+    from bus.wire import WireError, decode_reply, encode_request
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    try:
+        sock.connect(endpoint)
+        sock.send(encode_request("info_req"))
+        if not sock.poll(timeout * 1000):
+            raise RunNotFound(f"no run answered at {endpoint} within {timeout:g}s")
+        try:
+            reply = decode_reply(sock.recv())
+        except WireError as exc:
+            raise RunNotFound(f"{endpoint} answered with something that is not a run: {exc}") from None
+    except zmq.ZMQError as exc:
+        raise RunNotFound(f"cannot reach {endpoint}: {exc}") from None
+    finally:
+        sock.close(linger=0)
+    if reply["k"] != "info":
+        raise RunNotFound(f"{endpoint} answered {reply['k']!r}: {reply.get('error', '')}")
+    return RunInfo.from_dict(reply["run"], endpoint)

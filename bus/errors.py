@@ -1,0 +1,25 @@
+"""The bus's error hierarchy: one base type, one subclass per way things fail."""
+
+from __future__ import annotations
+
+__all__ = ["BusError", "WireError", "RunNotFound", "ControlTimeout", "PublisherSilent"]
+
+
+class BusError(Exception):
+    """Base of every error the bus raises on purpose."""
+
+
+class WireError(BusError, ValueError):
+    """Bytes that are not a valid offloop v1 message: the one error decoding raises."""
+
+
+class RunNotFound(BusError):
+    """A run directory, name or endpoint that names no reachable run."""
+
+
+class ControlTimeout(BusError):
+    """A control request that got no acknowledgement before its deadline."""
+
+
+class PublisherSilent(BusError):
+    """No heartbeat from a publisher within the subscriber's timeout."""

@@ -1,0 +1,83 @@
+"""The Event enum shared by the trainer and the workers: Composer's 40 events.
+
+Names and lowercase values match `composer.core.Event`; the value is the topic a
+snapshot is published under, so a worker subscribes by event value.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+__all__ = ["Event", "EVENT_TOPICS", "CHECKPOINT_SAVED", "RUN_TOPICS"]
+
+
+class Event(str, Enum):
+    """Training-loop events, in the order Composer's docs list them."""
+
+    INIT = "init"
+    BEFORE_LOAD = "before_load"
+    AFTER_LOAD = "after_load"
+    FIT_START = "fit_start"
+    ITERATION_START = "iteration_start"
+    EPOCH_START = "epoch_start"
+    BEFORE_DATALOADER = "before_dataloader"
+    AFTER_DATALOADER = "after_dataloader"
+    BATCH_START = "batch_start"
+    BEFORE_TRAIN_BATCH = "before_train_batch"
+    BEFORE_FORWARD = "before_forward"
+    AFTER_FORWARD = "after_forward"
+    BEFORE_LOSS = "before_loss"
+    AFTER_LOSS = "after_loss"
+    BEFORE_BACKWARD = "before_backward"
+    AFTER_BACKWARD = "after_backward"
+    AFTER_TRAIN_BATCH = "after_train_batch"
+    BATCH_END = "batch_end"
+    BATCH_CHECKPOINT = "batch_checkpoint"
+    EPOCH_END = "epoch_end"
+    EPOCH_CHECKPOINT = "epoch_checkpoint"
+    ITERATION_END = "iteration_end"
+    ITERATION_CHECKPOINT = "iteration_checkpoint"
+    FIT_END = "fit_end"
+    EVAL_BEFORE_ALL = "eval_before_all"
+    EVAL_START = "eval_start"
+    EVAL_BATCH_START = "eval_batch_start"
+    EVAL_BEFORE_FORWARD = "eval_before_forward"
+    EVAL_AFTER_FORWARD = "eval_after_forward"
+    EVAL_BATCH_END = "eval_batch_end"
+    EVAL_END = "eval_end"
+    EVAL_AFTER_ALL = "eval_after_all"
+    EVAL_STANDALONE_START = "eval_standalone_start"
+    EVAL_STANDALONE_END = "eval_standalone_end"
+    PREDICT_START = "predict_start"
+    PREDICT_BATCH_START = "predict_batch_start"
+    PREDICT_BEFORE_FORWARD = "predict_before_forward"
+    PREDICT_AFTER_FORWARD = "predict_after_forward"
+    PREDICT_BATCH_END = "predict_batch_end"
+    PREDICT_END = "predict_end"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_before_event(self) -> bool:
+        return self.value.startswith(("before_", "eval_before_", "predict_before_"))
+
+    @property
+    def is_after_event(self) -> bool:
+        return self.value.startswith(("after_", "eval_after_", "predict_after_"))
+
+    @property
+    def is_eval(self) -> bool:
+        return self.value.startswith("eval_")
+
+    @property
+    def is_predict(self) -> bool:
+        return self.value.startswith("predict_")
+
+
+#: Published by the trainer when it has written a checkpoint (not a Composer event).
+CHECKPOINT_SAVED = "checkpoint_saved"
+
+#: Every topic a trainer publishes; a subscription to "everything" means these.
+EVENT_TOPICS: tuple[str, ...] = tuple(e.value for e in Event)
+RUN_TOPICS: tuple[str, ...] = EVENT_TOPICS + (CHECKPOINT_SAVED,)

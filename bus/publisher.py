@@ -1,0 +1,342 @@
+"""Publisher: the server half of the ZeroMQ Guide's Clone pattern, with heartbeats.
+
+Promise: `publish()` never waits for a subscriber (a full queue is a counted drop),
+skips serializing events nobody subscribed to, and a subscriber that joins
+mid-run gets the run config and the latest message of every topic at once.
+
+Sockets, all owned here::
+
+    publishing thread  XPUB (NODROP, HWM = queue_size) --inproc--+
+    service thread     XPUB (heartbeats, sees subscriptions) ----+--> XSUB ==proxy(C)==> XPUB tcp  (events)
+    service thread     ROUTER tcp (late-join state, run info, ping)                                 (state)
+
+The proxy runs in libzmq without the GIL, so the publishing thread pays one
+non-blocking send per event and nothing more.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import zmq
+
+from bus.events import RUN_TOPICS, Event
+from bus.wire import (
+    DEFAULT_LIMITS,
+    HEARTBEAT_TOPIC,
+    EventEncoder,
+    Limits,
+    WireError,
+    decode_request,
+    encode_heartbeat,
+    encode_reply,
+    topic_prefix,
+)
+
+__all__ = ["Publisher", "DEFAULT_RETAINED"]
+
+#: Topics serialized even with no subscriber, so a late joiner sees them at once.
+DEFAULT_RETAINED = frozenset(
+    {
+        Event.INIT.value,
+        Event.FIT_START.value,
+        Event.EPOCH_START.value,
+        Event.BATCH_END.value,
+        Event.EPOCH_END.value,
+        Event.EVAL_END.value,
+        Event.FIT_END.value,
+        Event.EVAL_STANDALONE_END.value,
+        Event.PREDICT_END.value,
+        "checkpoint_saved",
+    }
+)
+
+_HB_PREFIX = topic_prefix(HEARTBEAT_TOPIC)
+_DRAIN_EVERY = 4096
+_SUBSCRIPTION_SETTLE = 0.01  # seconds; libzmq's max_command_delay is 3M TSC ticks (~1 ms)  # the publishing socket's own copy of the subscriptions is drained this often
+
+
+class Publisher:
+    """Publishes event snapshots for one run and rank; see the module docstring."""
+
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        rank: int = 0,
+        host: str = "127.0.0.1",
+        events_port: int = 0,
+        state_port: int = 0,
+        queue_size: int = 10_000,
+        subscriber_hwm: int = 10_000,
+        heartbeat_interval: float = 0.5,
+        retained: frozenset[str] = DEFAULT_RETAINED,
+        limits: Limits = DEFAULT_LIMITS,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+        if heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
+        self.run_id, self.rank = run_id, rank
+        self.publisher_id = uuid.uuid4().hex[:12]
+        self.heartbeat_interval = heartbeat_interval
+        self.limits = limits
+        self.config: dict[str, Any] = {}
+        self.run_info: dict[str, Any] = {}
+        self.seq = 0
+        self.drops = 0
+        self.state_requests = 0
+        self.bad_requests = 0
+        self.beats = 0
+        self._retained = frozenset(retained)
+        self._wanted: frozenset[str] = self._retained
+        self._subscriptions: set[bytes] = set()  # SUB prefixes in force; service thread only
+        self._tseq: dict[str, int] = {}
+        self._latest: dict[str, tuple[int, list]] = {}
+        self._encoder = EventEncoder(run_id, self.publisher_id, rank)
+        self._own_context = context is None
+        self._ctx = context or zmq.Context()
+        self._host, self._events_port, self._state_port = host, events_port, state_port
+        self._queue_size, self._subscriber_hwm = queue_size, subscriber_hwm
+        self._threads: list[threading.Thread] = []
+        self._inproc = f"inproc://offloop-pub-{self.publisher_id}"
+        self.endpoints: dict[str, str] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> dict[str, str]:
+        """Bind the sockets, start the proxy and service threads, return the endpoints."""
+        ctx = self._ctx
+        front = ctx.socket(zmq.XSUB)
+        front.rcvhwm = 1
+        front.bind(self._inproc)
+        back = ctx.socket(zmq.XPUB)
+        back.sndhwm = self._subscriber_hwm
+        back.linger = 0
+        events = self._bind(back, self._events_port)
+        proxy_ctl = ctx.socket(zmq.PAIR)
+        proxy_ctl.bind(self._inproc + "-proxy")
+        self._proxy_ctl = ctx.socket(zmq.PAIR)
+        self._proxy_ctl.connect(self._inproc + "-proxy")
+
+        router = ctx.socket(zmq.ROUTER)
+        router.maxmsgsize = self.limits.max_body_bytes
+        router.linger = 0
+        state = self._bind(router, self._state_port)
+        heartbeat = ctx.socket(zmq.XPUB)
+        heartbeat.connect(self._inproc)
+        stop = ctx.socket(zmq.PAIR)
+        stop.bind(self._inproc + "-stop")
+        self._stop = ctx.socket(zmq.PAIR)
+        self._stop.connect(self._inproc + "-stop")
+
+        self._tx = ctx.socket(zmq.XPUB)
+        self._tx.setsockopt(zmq.XPUB_NODROP, 1)
+        self._tx.sndhwm = self._queue_size
+        self._tx.linger = 0
+        self._tx.connect(self._inproc)
+
+        self.endpoints = {"events": events, "state": state}
+        self._threads = [
+            threading.Thread(target=_run_proxy, args=(front, back, proxy_ctl), daemon=True,
+                             name="offloop-proxy"),
+            threading.Thread(target=self._serve, args=(heartbeat, router, stop), daemon=True,
+                             name="offloop-publisher"),
+        ]
+        for thread in self._threads:
+            thread.start()
+        return dict(self.endpoints)
+
+    def _bind(self, sock: zmq.Socket, port: int) -> str:
+        sock.bind(f"tcp://{self._host}:{port or '*'}")
+        return sock.last_endpoint.decode()
+
+    def close(self, linger: float = 0.5) -> None:
+        """Send final heartbeats for `linger` seconds, then stop every thread and socket."""
+        if self._closed or not self._threads:
+            self._closed = True
+            return
+        self._closed = True
+        self._stop.send(str(linger).encode())
+        self._threads[1].join(timeout=linger + 5)
+        self._proxy_ctl.send(b"TERMINATE")
+        self._threads[0].join(timeout=5)
+        for sock in (self._tx, self._stop, self._proxy_ctl):
+            sock.close(linger=0)
+        if self._own_context:
+            self._ctx.term()
+
+    def __enter__(self) -> Publisher:
+        if not self._threads:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------- hot path
+
+    def wants(self, topic: str) -> bool:
+        """Whether `publish(topic, ...)` would serialize: a subscriber wants it or it is retained."""
+        return topic in self._wanted
+
+    def publish(self, topic: str, ts, data: dict | None = None) -> bool:
+        """Send one event; False when skipped (nobody wants it) or dropped (queue full).
+
+        `ts` is (epoch, batch, batch_in_epoch, sample, token); tensors in `data` must be
+        on the CPU and must not be modified afterwards (they are sent without a copy).
+        """
+        if topic not in self._wanted:
+            return False
+        seq = self.seq = self.seq + 1
+        tseq = self._tseq[topic] = self._tseq.get(topic, 0) + 1
+        frames = self._encoder.encode(topic, seq, tseq, ts, data or {})
+        self._latest[topic] = (seq, frames)
+        if not seq % _DRAIN_EVERY:
+            self._drain_own_subscriptions()
+        try:
+            if len(frames) == 1:
+                self._tx.send(frames[0], zmq.NOBLOCK)
+            else:
+                self._tx.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.drops += 1
+            return False
+        return True
+
+    def set_config(self, config: dict[str, Any]) -> None:
+        """The run config every late joiner receives first."""
+        self.config = dict(config)
+
+    def _drain_own_subscriptions(self) -> None:
+        # The publishing XPUB queues a copy of each subscription change; the service
+        # thread tracks them from its own socket, so these are only discarded.
+        try:
+            while True:
+                self._tx.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    # ------------------------------------------------------- service thread
+
+    def _serve(self, heartbeat: zmq.Socket, router: zmq.Socket, stop: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        for sock in (heartbeat, router, stop):
+            poller.register(sock, zmq.POLLIN)
+        next_beat = time.monotonic()
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._beat(heartbeat)
+                    next_beat = now + self.heartbeat_interval
+                ready = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
+                if heartbeat in ready:
+                    self._track_subscriptions(heartbeat)
+                if router in ready:
+                    self._answer(router, heartbeat)
+                if stop in ready:
+                    self._final_beats(heartbeat, float(stop.recv()))
+                    return
+        finally:
+            for sock in (heartbeat, router, stop):
+                sock.close(linger=0)
+
+    def _beat(self, heartbeat: zmq.Socket, final: bool = False) -> None:
+        self.beats += 1
+        heartbeat.send(encode_heartbeat(self.run_id, self.publisher_id, self.rank, self.seq,
+                                        dict(self._tseq), self.drops, self.heartbeat_interval,
+                                        self.beats, final))
+
+    def _final_beats(self, heartbeat: zmq.Socket, linger: float) -> None:
+        # Several final heartbeats, so one lost to a full subscriber queue is not the last word.
+        deadline = time.monotonic() + linger
+        while True:
+            self._beat(heartbeat, final=True)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(min(0.1, linger))
+
+    def _track_subscriptions(self, heartbeat: zmq.Socket) -> None:
+        while heartbeat.poll(0):
+            change = heartbeat.recv()
+            if not change:
+                continue
+            (self._subscriptions.add if change[0] == 1 else self._subscriptions.discard)(change[1:])
+        self._wanted = self._retained | _topics_for(self._subscriptions)
+
+    def _answer(self, router: zmq.Socket, heartbeat: zmq.Socket) -> None:
+        while router.poll(0):
+            frames = router.recv_multipart(copy=False)
+            identity, body = frames[0].bytes, frames[-1]
+            try:
+                request = decode_request(body, self.limits)
+            except WireError as exc:
+                self.bad_requests += 1
+                router.send_multipart([identity, encode_reply("error", error=str(exc))])
+                continue
+            kind = request["k"]
+            if kind == "state_req":
+                self.state_requests += 1
+                # The joiner trusts this state only once it has received the heartbeat sent
+                # just before it: that proves its subscriptions had reached both upstream
+                # sockets. Then the wanted set is refreshed, and the publishing socket gets
+                # time to apply them (libzmq applies subscriptions on a send at most once
+                # per ~1 ms), so nothing published after the state is filtered out.
+                self._beat(heartbeat)
+                self._track_subscriptions(heartbeat)
+                time.sleep(_SUBSCRIPTION_SETTLE)
+                router.send_multipart([identity, *self._state_frames(request.get("topics"))],
+                                      copy=False)
+            elif kind == "info_req":
+                router.send_multipart([identity, encode_reply("info", run=self.run_info)])
+            else:
+                self.bad_requests += 1
+                router.send_multipart(
+                    [identity, encode_reply("error", error=f"{kind!r} is not served on the state socket")]
+                )
+
+    def _state_frames(self, topics: list[str] | None) -> list:
+        """The late-join state: a header naming each entry's frame count, then the entries."""
+        latest = sorted(dict(self._latest).items(), key=lambda item: item[1][0])
+        if topics is not None:
+            wanted = set(topics)
+            latest = [item for item in latest if item[0] in wanted]
+        header = encode_reply(
+            "state", run=self.run_id, pub=self.publisher_id, rank=self.rank, seq=self.seq,
+            tseq=dict(self._tseq), beat=self.beats, config=self.config,
+            entries=[len(frames) for _, (_, frames) in latest],
+        )
+        out: list = [header]
+        for _, (_, frames) in latest:
+            out.extend(frames)
+        return out
+
+
+def _topics_for(subscriptions: set[bytes]) -> frozenset[str]:
+    """The topics a set of SUB prefixes selects (b"" selects every topic)."""
+    wanted: set[str] = set()
+    for prefix in subscriptions:
+        if prefix == _HB_PREFIX:
+            continue
+        if prefix.endswith(b"\0"):
+            wanted.add(prefix[:-1].decode(errors="replace"))
+        else:
+            text = prefix.decode(errors="replace")
+            wanted.update(t for t in RUN_TOPICS if t.startswith(text))
+    return frozenset(wanted)
+
+
+def _run_proxy(front: zmq.Socket, back: zmq.Socket, control: zmq.Socket) -> None:
+    try:
+        zmq.proxy_steerable(front, back, None, control)
+    except zmq.ContextTerminated:
+        pass
+    finally:
+        for sock in (front, back, control):
+            sock.close(linger=0)

@@ -1,0 +1,273 @@
+"""Subscriber: the client half of the ZeroMQ Guide's Clone pattern, with heartbeats.
+
+Promise: every lost message is counted (per-topic sequence numbers, tail loss from
+heartbeats), the late-join state comes first and nothing older than it is delivered
+again, and a publisher that falls silent is reported, never waited on forever.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from bus.errors import PublisherSilent, WireError
+from bus.wire import (
+    DEFAULT_LIMITS,
+    HEARTBEAT_TOPIC,
+    Limits,
+    Message,
+    decode_event,
+    decode_reply,
+    encode_request,
+    topic_prefix,
+)
+
+__all__ = ["Subscriber", "JoinState", "SubscriberStats"]
+
+
+@dataclass
+class JoinState:
+    """What a late joiner receives first: the run config and the latest message per topic."""
+
+    run: str
+    pub: str
+    config: dict[str, Any]
+    entries: list[Message]
+    seq: int
+
+
+@dataclass
+class SubscriberStats:
+    received: int = 0
+    gaps: int = 0
+    duplicates: int = 0
+    malformed: int = 0
+    heartbeats: int = 0
+    gaps_by_topic: dict[str, int] = field(default_factory=dict)
+
+
+class Subscriber:
+    """Receives one publisher's events; `connect()` joins, `recv()` delivers in order."""
+
+    def __init__(
+        self,
+        events: str,
+        state: str | None = None,
+        *,
+        topics: Iterable[str] | None = None,
+        heartbeat_timeout: float = 5.0,
+        settle: float = 0.25,
+        rcvhwm: int = 10_000,
+        limits: Limits = DEFAULT_LIMITS,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.events_endpoint, self.state_endpoint = events, state
+        self.topics = None if topics is None else frozenset(str(t) for t in topics)
+        self.heartbeat_timeout = heartbeat_timeout
+        self.settle = settle
+        self.limits = limits
+        self.stats = SubscriberStats()
+        self.finished = False
+        self.join_state: JoinState | None = None
+        self.publisher_drops = 0
+        self._own_context = context is None
+        self._ctx = context or zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.rcvhwm = rcvhwm
+        self._sub.linger = 0
+        self._sub.maxmsgsize = limits.max_message_bytes
+        self._pending: deque[Message] = deque()
+        self._last: dict[tuple[str, str], int] = {}
+        self._known_pubs: set[str] = set()  # publishers whose full topic list we have seen
+        self._beats: deque[tuple[float, Message]] = deque()
+        self._last_heard = time.monotonic()
+        self._latest_beat = 0
+        self._final_at: float | None = None
+
+    # ------------------------------------------------------------ joining
+
+    def connect(self, join_timeout: float = 2.0) -> JoinState | None:
+        """Subscribe, wait for the first heartbeat, and take the late-join state if a
+        state endpoint was given. Raises PublisherSilent if nothing answers in time."""
+        if self.topics is None:
+            self._sub.subscribe(b"")
+        else:
+            for topic in sorted(self.topics):
+                self._sub.subscribe(topic_prefix(topic))
+            self._sub.subscribe(topic_prefix(HEARTBEAT_TOPIC))  # last: it proves the rest arrived
+        self._sub.connect(self.events_endpoint)
+        deadline = time.monotonic() + join_timeout
+        if self.state_endpoint is None:
+            while not self._latest_beat:
+                self._pump(deadline)
+            self._last_heard = time.monotonic()
+            return None
+        while True:
+            state, beat = self._request_state(deadline)
+            wait_until = min(deadline, time.monotonic() + 0.03)
+            while self._latest_beat < beat and time.monotonic() < wait_until:
+                self._pump(wait_until, raise_on_deadline=False)
+            if self._latest_beat >= beat:
+                break  # our subscription was live before the state was taken
+        self._apply_state(state)
+        self._last_heard = time.monotonic()
+        return self.join_state
+
+    def _request_state(self, deadline: float) -> tuple[list, int]:
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.maxmsgsize = self.limits.max_message_bytes
+        try:
+            dealer.connect(self.state_endpoint)
+            topics = None if self.topics is None else sorted(self.topics)
+            dealer.send(encode_request("state_req", topics=topics))
+            while not dealer.poll(10):
+                self._pump(min(deadline, time.monotonic() + 0.01), raise_on_deadline=False)
+                if time.monotonic() >= deadline:
+                    raise PublisherSilent(
+                        f"no late-join state from {self.state_endpoint} within the join timeout"
+                    )
+            frames = dealer.recv_multipart(copy=False)
+        finally:
+            dealer.close()
+        header = decode_reply(frames[0], self.limits)
+        if header["k"] != "state":
+            raise WireError(f"state request answered with {header['k']!r}: {header.get('error')}")
+        return [header, frames[1:]], header["beat"]
+
+    def _apply_state(self, state: list) -> None:
+        header, frames = state
+        entries, at = [], 0
+        for count in header["entries"]:
+            if not isinstance(count, int) or count < 1 or at + count > len(frames):
+                raise WireError(f"late-join state lists an entry of {count!r} frames")
+            entries.append(decode_event(frames[at : at + count], self.limits))
+            at += count
+        pub = header["pub"]
+        self._known_pubs.add(pub)
+        for topic, tseq in header["tseq"].items():
+            if self._selected(topic):
+                key = (pub, topic)
+                self._last[key] = max(self._last.get(key, 0), tseq)
+        # drop whatever arrived on the stream before the state and is not newer than it
+        self._pending = deque(m for m in self._pending if m.tseq > self._last.get((m.pub, m.topic), 0))
+        for entry in entries:
+            entry.from_state = True
+        self._pending.extendleft(reversed(entries))
+        self.join_state = JoinState(header["run"], pub, header["config"], entries, header["seq"])
+
+    # ---------------------------------------------------------- receiving
+
+    def recv(self, timeout: float | None = None) -> Message | None:
+        """The next event, or None after `timeout` seconds (or once the publisher has
+        finished). Raises PublisherSilent when no heartbeat came within the timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._pending:
+            if self.finished:
+                return None
+            if not self._pump(deadline, raise_on_deadline=False):
+                return None
+        return self._pending.popleft()
+
+    def _pump(self, deadline: float | None, raise_on_deadline: bool = True) -> bool:
+        """Receive and process one message into the pending queue; False on deadline."""
+        while True:
+            if self._beats or self._final_at is not None:
+                self._settle_beats()
+                if self.finished and not self._pending:
+                    return False
+            try:  # the hot path: a message is already waiting
+                frames = [self._sub.recv(zmq.NOBLOCK)]
+            except zmq.Again:
+                pass
+            else:
+                while self._sub.get(zmq.RCVMORE):
+                    frames.append(self._sub.recv(copy=False))
+                self._take(frames)
+                return True
+            now = time.monotonic()
+            silence = self._last_heard + self.heartbeat_timeout
+            if now >= silence and not self.finished:
+                raise PublisherSilent(
+                    f"no heartbeat from {self.events_endpoint} for {self.heartbeat_timeout:g}s"
+                )
+            if deadline is not None and now >= deadline:
+                if raise_on_deadline:
+                    raise PublisherSilent(
+                        f"nothing from {self.events_endpoint} within the join timeout"
+                    )
+                return False
+            wake = silence if deadline is None else min(deadline, silence)
+            if self._beats or self._final_at is not None:
+                wake = min(wake, now + self.settle / 2)
+            self._sub.poll(max(0.0, wake - now) * 1000)
+
+    def _take(self, frames: list) -> None:
+        try:
+            msg = decode_event(frames, self.limits)
+        except WireError:
+            self.stats.malformed += 1
+            return
+        self._last_heard = time.monotonic()
+        if msg.kind == "hb":
+            self.stats.heartbeats += 1
+            self._latest_beat = max(self._latest_beat, msg.data.get("beat", 0))
+            self.publisher_drops = msg.data.get("drops", 0)
+            self._beats.append((self._last_heard, msg))
+            if msg.data.get("final") and self._final_at is None:
+                self._final_at = self._last_heard
+            return
+        key = (msg.pub, msg.topic)
+        last = self._last.get(key, 0 if msg.pub in self._known_pubs else None)
+        if last is not None:
+            if msg.tseq <= last:
+                self.stats.duplicates += 1
+                return
+            if msg.tseq > last + 1:
+                self._count_gap(msg.topic, msg.tseq - last - 1)
+        self._last[key] = msg.tseq
+        self.stats.received += 1
+        self._pending.append(msg)
+
+    def _settle_beats(self) -> None:
+        """Count tail loss against heartbeats old enough that nothing sent before them
+        can still be in flight."""
+        cutoff = time.monotonic() - self.settle
+        while self._beats and self._beats[0][0] <= cutoff:
+            _, beat = self._beats.popleft()
+            for topic, tseq in beat.data["tseq"].items():
+                if not isinstance(tseq, int) or not self._selected(topic):
+                    continue
+                key = (beat.pub, topic)
+                last = self._last.get(key, 0 if beat.pub in self._known_pubs else None)
+                if last is None:
+                    self._last[key] = tseq  # first sight of this topic: the baseline
+                elif tseq > last:
+                    self._count_gap(topic, tseq - last)
+                    self._last[key] = tseq
+            self._known_pubs.add(beat.pub)
+        if self._final_at is not None and self._final_at <= cutoff and not self._beats:
+            self.finished = True
+
+    def _count_gap(self, topic: str, n: int) -> None:
+        self.stats.gaps += n
+        self.stats.gaps_by_topic[topic] = self.stats.gaps_by_topic.get(topic, 0) + n
+
+    def _selected(self, topic: str) -> bool:
+        return self.topics is None or topic in self.topics
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+        if self._own_context:
+            self._ctx.term()
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

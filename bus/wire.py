@@ -1,0 +1,449 @@
+"""Wire format v1: msgpack bodies, raw tensor frames, bounded decoding.
+
+Follows the ZeroMQ Guide's KVMsg: every message is documented frame by frame
+here (and in docs/protocol.md). Nothing is pickled, and untrusted bytes either
+decode within fixed limits or raise `WireError` — never anything else.
+
+Event message (PUB/SUB, one topic per Composer event)::
+
+    frame 0   b"<topic>\\0" + msgpack array of 10, by position:
+              [v = 1, kind = "ev", run: str, pub: str, rank: int,
+               seq: int,        # per publisher, every message it sends
+               tseq: int,       # per publisher and topic: gaps are counted on it
+               t: float,        # wall time, seconds since the epoch
+               ts: [epoch, batch, batch_in_epoch, sample, token],
+               d: map]          # event-specific fields
+    frame 1.. raw bytes of each tensor in d, C order, native little-endian
+
+The envelope is positional because it is on every event: decoding an array costs
+half what a map with the same fields does. Everything rarer is a map.
+A tensor inside ``d`` is the msgpack ext type 1 whose payload is the msgpack
+array ``[frame_index, dtype, shape]``. Heartbeats travel on the topic ``_hb``.
+The late-join state, control requests and acks are documented with their
+encoders below.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from bus.errors import WireError
+
+__all__ = [
+    "VERSION",
+    "HEARTBEAT_TOPIC",
+    "WireError",
+    "Limits",
+    "TensorFrame",
+    "Message",
+    "EventEncoder",
+    "decode_event",
+    "encode_heartbeat",
+    "encode_request",
+    "decode_request",
+    "encode_reply",
+    "decode_reply",
+    "topic_prefix",
+]
+
+VERSION = 1
+HEARTBEAT_TOPIC = "_hb"
+TENSOR_EXT = 1
+
+#: Bytes per element of every dtype a tensor frame may carry.
+DTYPE_SIZES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds applied to untrusted bytes before and while decoding them."""
+
+    max_body_bytes: int = 4 << 20
+    max_frames: int = 64
+    max_message_bytes: int = 256 << 20
+    max_container_len: int = 100_000
+
+DEFAULT_LIMITS = Limits()
+
+
+def topic_prefix(topic: str) -> bytes:
+    """The bytes a SUB socket subscribes to for exactly this topic."""
+    if "\0" in topic or not topic:
+        raise WireError(f"topic {topic!r} is empty or contains NUL")
+    return topic.encode() + b"\0"
+
+
+# --------------------------------------------------------------------- tensors
+
+
+@dataclass(frozen=True)
+class TensorFrame:
+    """A tensor as it came off the wire: dtype name, shape and its raw bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview | bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    def to_numpy(self):
+        import numpy as np
+
+        if self.dtype == "bfloat16":
+            raise WireError("bfloat16 has no numpy dtype; use to_torch()")
+        return np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape)
+
+    def to_torch(self):
+        """A writable torch tensor holding a copy of the bytes."""
+        import torch
+
+        dtype = getattr(torch, self.dtype)
+        copy = bytearray(self.data)
+        if not copy:
+            return torch.empty(self.shape, dtype=dtype)
+        return torch.frombuffer(copy, dtype=dtype).reshape(self.shape)
+
+
+def _tensor_bytes(value: Any) -> tuple[str, tuple[int, ...], memoryview]:
+    """Dtype, shape and a zero-copy view of a CPU torch tensor or numpy array."""
+    if hasattr(value, "detach"):  # torch.Tensor, checked by duck type: bus never imports torch
+        t = value.detach()
+        if t.device.type != "cpu":
+            raise WireError(
+                f"tensor on {t.device} cannot be published: stage it to CPU (non_blocking) first"
+            )
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in DTYPE_SIZES:
+            raise WireError(f"tensor dtype {dtype} is not supported on the wire")
+        if not t.is_contiguous():
+            t = t.contiguous()
+        shape = tuple(t.shape)
+        if dtype == "bfloat16":
+            import torch
+
+            t = t.view(torch.int16)
+        return dtype, shape, _flat_view(t.numpy())
+    dtype = str(value.dtype)
+    if dtype not in DTYPE_SIZES:
+        raise WireError(f"array dtype {dtype} is not supported on the wire")
+    arr = value if value.flags.c_contiguous else value.copy(order="C")
+    return dtype, tuple(arr.shape), _flat_view(arr)
+
+
+def _flat_view(arr) -> memoryview:
+    """The array's bytes as a flat view, without copying them."""
+    if arr.size == 0:
+        return memoryview(b"")
+    return memoryview(arr.reshape(-1)).cast("B")
+
+
+def _is_tensor(value: Any) -> bool:
+    """A torch tensor or a numpy array (numpy scalars have no __setitem__ and travel as numbers)."""
+    return hasattr(value, "dtype") and hasattr(value, "shape") and (
+        hasattr(value, "detach") or hasattr(value, "__setitem__")
+    )
+
+
+# ---------------------------------------------------------------------- events
+
+
+@dataclass(slots=True)
+class Message:
+    """A decoded event or heartbeat; `data` holds the event-specific fields."""
+
+    topic: str
+    kind: str
+    run: str
+    pub: str
+    rank: int
+    seq: int
+    tseq: int
+    t: float
+    ts: tuple[int, int, int, int, int]
+    data: dict[str, Any] = field(default_factory=dict)
+    from_state: bool = False
+
+
+class EventEncoder:
+    """Encodes event messages for one publisher; owned by the publishing thread.
+
+    The constant part of the envelope (version, kind, run, publisher, rank) is
+    packed once per topic, so each event only packs what changes.
+    """
+
+    def __init__(self, run: str, pub: str, rank: int) -> None:
+        self.run, self.pub, self.rank = run, pub, rank
+        self._frames: list[memoryview] = []
+        self._packer = msgpack.Packer(default=self._default, autoreset=True)
+        constant = msgpack.packb([VERSION, "ev", run, pub, rank])
+        # fixarray header of 10 entries, then the 5 constant fields without their own header
+        self._constant = b"\x9a" + constant[1:]
+        self._prefixes: dict[str, bytes] = {}
+
+    def _default(self, value: Any) -> msgpack.ExtType:
+        if _is_tensor(value):
+            dtype, shape, view = _tensor_bytes(value)
+            self._frames.append(view)
+            return msgpack.ExtType(TENSOR_EXT, msgpack.packb([len(self._frames), dtype, shape]))
+        if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalar
+            return value.item()
+        raise WireError(f"cannot encode {type(value).__name__} on the wire (not pickled, by design)")
+
+    def encode(self, topic: str, seq: int, tseq: int, ts, data) -> list:
+        """Frames for one event; frame 0 starts with the topic prefix."""
+        prefix = self._prefixes.get(topic)
+        if prefix is None:
+            prefix = self._prefixes[topic] = topic_prefix(topic) + self._constant
+        frames = self._frames
+        if frames:
+            frames.clear()
+        # the 5 variable fields, packed as an array whose 1-byte header is dropped
+        variable = self._packer.pack((seq, tseq, time.time(), ts, data))
+        if frames:
+            out = [prefix + variable[1:], *frames]
+            self._frames = []
+            return out
+        return [prefix + variable[1:]]
+
+
+def _no_ext(code: int, payload: bytes) -> Any:
+    if code == TENSOR_EXT:
+        raise WireError("body refers to a tensor frame, but the message has none")
+    raise WireError(f"unknown msgpack ext type {code}")
+
+
+def _unpack(body: bytes | memoryview, limits: Limits, frames=None) -> Any:
+    """msgpack-decode a body; every string, array and map is bounded by the body's own
+    size (msgpack's default) and containers by `limits.max_container_len`."""
+    used: set[int] = set()
+
+    def ext_hook(code: int, payload: bytes) -> Any:
+        if code != TENSOR_EXT:
+            raise WireError(f"unknown msgpack ext type {code}")
+        tensor, index = _tensor_from_ext(payload, frames, limits)
+        used.add(index)
+        return tensor
+
+    try:
+        value = msgpack.unpackb(
+            body, strict_map_key=True, ext_hook=_no_ext if frames is None else ext_hook,
+            max_array_len=limits.max_container_len, max_map_len=limits.max_container_len,
+        )
+    except WireError:
+        raise
+    except Exception as exc:  # msgpack raises several types; callers see one
+        raise WireError(f"malformed msgpack body: {exc.__class__.__name__}: {exc}") from None
+    if frames is not None and len(used) != len(frames) - 1:
+        raise WireError(f"message has {len(frames) - 1} tensor frames, its body uses {len(used)}")
+    return value
+
+
+def _tensor_from_ext(payload: bytes, frames, limits: Limits) -> tuple[TensorFrame, int]:
+    try:
+        index, dtype, shape = msgpack.unpackb(payload, raw=False, max_array_len=64)
+    except Exception:
+        raise WireError("malformed tensor descriptor") from None
+    if not isinstance(index, int) or not 1 <= index < len(frames):
+        raise WireError(f"tensor refers to frame {index!r}, message has {len(frames)} frames")
+    if dtype not in DTYPE_SIZES:
+        raise WireError(f"tensor dtype {dtype!r} is not one of {sorted(DTYPE_SIZES)}")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise WireError(f"tensor shape {shape!r} is not a list of non-negative ints")
+    data = frames[index]
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if expected != len(data):
+        raise WireError(f"tensor frame has {len(data)} bytes, {dtype}{shape} needs {expected}")
+    return TensorFrame(dtype, tuple(shape), data), index
+
+
+def _frame_bytes(frame) -> memoryview | bytes:
+    return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+def _require(body: Any, schema: dict[str, type | tuple[type, ...]], what: str) -> dict:
+    if not isinstance(body, dict):
+        raise WireError(f"{what} body is {type(body).__name__}, expected a map")
+    version = body.get("v")
+    if version != VERSION:
+        raise WireError(f"wire version {version!r} is not supported (this build speaks {VERSION})")
+    for key, kind in schema.items():
+        if not isinstance(body.get(key), kind) or isinstance(body.get(key), bool) and kind is int:
+            raise WireError(f"{what} field {key!r} is {body.get(key)!r}, expected {_names(kind)}")
+    return body
+
+
+def _names(kind) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+_HEARTBEAT_SCHEMA = {
+    "k": str, "run": str, "pub": str, "rank": int, "seq": int, "tseq": dict, "t": (float, int),
+    "beat": int, "final": bool, "drops": int, "interval": (float, int),
+}
+
+
+def check_size(frames, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Refuse a message by its sizes alone, before any byte of it is decoded."""
+    if not frames:
+        raise WireError("empty message")
+    if len(frames) > limits.max_frames + 1:
+        raise WireError(f"message has {len(frames)} frames, the limit is {limits.max_frames + 1}")
+    head = len(frames[0])
+    if head > limits.max_body_bytes:
+        raise WireError(f"message body is {head} bytes, the limit is {limits.max_body_bytes}")
+    total = sum(len(f) for f in frames)
+    if total > limits.max_message_bytes:
+        raise WireError(f"message is {total} bytes, the limit is {limits.max_message_bytes}")
+
+
+def decode_event(frames, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Decode an event or heartbeat from its frames (bytes, memoryviews or zmq Frames)."""
+    if len(frames) == 1:  # the common case: no tensors, checked without building lists
+        head = frames[0] if type(frames[0]) is bytes else bytes(_frame_bytes(frames[0]))
+        if len(head) > limits.max_body_bytes:
+            raise WireError(f"message body is {len(head)} bytes, the limit is {limits.max_body_bytes}")
+        tensor_frames = None
+    else:
+        frames = [_frame_bytes(f) for f in frames]
+        check_size(frames, limits)
+        head = frames[0] if type(frames[0]) is bytes else bytes(frames[0])
+        tensor_frames = frames
+    cut = head.find(b"\0")
+    if cut <= 0:
+        raise WireError("frame 0 has no topic prefix (expected b'<topic>\\0' then the body)")
+    try:
+        topic = head[:cut].decode()
+    except UnicodeDecodeError:
+        raise WireError("topic is not UTF-8") from None
+    body = _unpack(head[cut + 1 :], limits, tensor_frames)
+    if topic == HEARTBEAT_TOPIC:
+        body = _require(body, _HEARTBEAT_SCHEMA, "heartbeat")
+        return Message(topic, "hb", body["run"], body["pub"], body["rank"], body["seq"], 0,
+                       float(body["t"]), (0, 0, 0, 0, 0), body)
+    if type(body) is not list or len(body) != 10:
+        if isinstance(body, dict) and body.get("v") != VERSION or isinstance(body, list) and body \
+                and body[0] != VERSION:
+            version = body.get("v") if isinstance(body, dict) else body[0]
+            raise WireError(f"wire version {version!r} is not supported (this build speaks {VERSION})")
+        raise WireError(f"event body is {_shape(body)}, expected an array of 10 fields")
+    v, k, run, pub, rank, seq, tseq, t, ts, d = body
+    if v != VERSION:
+        raise WireError(f"wire version {v!r} is not supported (this build speaks {VERSION})")
+    if not (type(k) is str and type(run) is str and type(pub) is str and type(rank) is int
+            and type(seq) is int and type(tseq) is int and type(t) is float and type(d) is dict
+            and type(ts) is list and len(ts) == 5 and type(ts[0]) is int and type(ts[1]) is int
+            and type(ts[2]) is int and type(ts[3]) is int and type(ts[4]) is int):
+        _explain_event(body)
+    return Message(topic, k, run, pub, rank, seq, tseq, t, tuple(ts), d)
+
+
+_EVENT_FIELDS = (("v", int), ("kind", str), ("run", str), ("pub", str), ("rank", int),
+                 ("seq", int), ("tseq", int), ("t", float), ("ts", list), ("d", dict))
+
+
+def _explain_event(body: list) -> None:
+    """Raise a WireError naming the first event field of the wrong type."""
+    for (name, kind), value in zip(_EVENT_FIELDS, body, strict=True):
+        if type(value) is not kind:
+            raise WireError(f"event field {name!r} is {value!r}, expected {kind.__name__}")
+    raise WireError(f"event field 'ts' is {body[8]!r}, expected 5 ints")
+
+
+def _shape(value: Any) -> str:
+    if isinstance(value, (list, dict)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return type(value).__name__
+
+
+def encode_heartbeat(run: str, pub: str, rank: int, seq: int, tseq: dict[str, int],
+                     drops: int, interval: float, beat: int, final: bool = False) -> bytes:
+    """Heartbeat: ``b"_hb\\0" + {v, k: "hb", run, pub, rank, seq, tseq: {topic: n}, t,
+    drops, interval, beat, final}``: the latest sequence numbers make tail loss visible,
+    `beat` counts heartbeats, and `final` says the publisher is closing."""
+    body = {"v": VERSION, "k": "hb", "run": run, "pub": pub, "rank": rank, "seq": seq,
+            "tseq": tseq, "t": time.time(), "drops": drops, "interval": interval, "beat": beat,
+            "final": final}
+    return topic_prefix(HEARTBEAT_TOPIC) + msgpack.packb(body)
+
+
+# ------------------------------------------------- request / reply (state, control)
+
+#: Request kinds and the fields each must carry.
+REQUEST_SCHEMAS: dict[str, dict[str, Any]] = {
+    "state_req": {"k": str},
+    "info_req": {"k": str},
+    "ctl": {"k": str, "client": str, "req": int, "op": str, "args": dict},
+}
+REPLY_SCHEMAS: dict[str, dict[str, Any]] = {
+    "state": {"k": str, "run": str, "pub": str, "seq": int, "tseq": dict, "beat": int,
+              "config": dict, "entries": list},
+    "info": {"k": str, "run": dict},
+    "ack": {"k": str, "client": str, "req": int, "op": str, "ok": bool, "result": dict},
+    "error": {"k": str, "error": str},
+}
+
+
+def encode_request(kind: str, **fields: Any) -> bytes:
+    """A request body: ``{v, k: kind, ...fields}``.
+
+    - ``state_req {topics: [str] | nil}`` asks for the late-join state;
+    - ``info_req {}`` asks for the run's run.json content;
+    - ``ctl {client, req, op: "halt"|"checkpoint", args, t}`` is a control request.
+    """
+    if kind not in REQUEST_SCHEMAS:
+        raise WireError(f"unknown request kind {kind!r}")
+    return msgpack.packb({"v": VERSION, "k": kind, **fields}, default=_no_pickle)
+
+
+def encode_reply(kind: str, **fields: Any) -> bytes:
+    """A reply body: ``state``, ``info``, ``ack {client, req, op, ok, result, error}`` or
+    ``error {error}`` (the answer to a request the server could not read)."""
+    if kind not in REPLY_SCHEMAS:
+        raise WireError(f"unknown reply kind {kind!r}")
+    return msgpack.packb({"v": VERSION, "k": kind, **fields}, default=_no_pickle)
+
+
+def _no_pickle(value: Any) -> Any:
+    if hasattr(value, "item") and hasattr(value, "dtype"):
+        return value.item()
+    raise WireError(f"cannot encode {type(value).__name__} on the wire (not pickled, by design)")
+
+
+def _decode_body(frame, schemas: dict, limits: Limits, what: str) -> dict:
+    data = _frame_bytes(frame)
+    if len(data) > limits.max_body_bytes:
+        raise WireError(f"{what} is {len(data)} bytes, the limit is {limits.max_body_bytes}")
+    body = _unpack(data, limits)
+    kind = body.get("k") if isinstance(body, dict) else None
+    if kind not in schemas:
+        raise WireError(f"{what} kind {kind!r} is not one of {sorted(schemas)}")
+    return _require(body, schemas[kind], what)
+
+
+def decode_request(frame, limits: Limits = DEFAULT_LIMITS) -> dict:
+    return _decode_body(frame, REQUEST_SCHEMAS, limits, "request")
+
+
+def decode_reply(frame, limits: Limits = DEFAULT_LIMITS) -> dict:
+    return _decode_body(frame, REPLY_SCHEMAS, limits, "reply")

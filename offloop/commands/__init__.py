@@ -1,0 +1,1 @@
+"""One module per `offloop` command; each defines add_arguments() and run()."""

@@ -1,0 +1,110 @@
+"""Control channel: Lazy Pirate retries, exactly-once application, stored acks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from bus import ControlClient, ControlServer, ControlTimeout
+from bus.wire import encode_request
+
+
+def test_lost_first_attempt_is_applied_exactly_once_and_a_duplicate_gets_the_same_ack(
+        spawn, free_port):
+    # The server binds 0.5 s after the client starts (the first attempt is lost with its
+    # socket), then lets requests queue for another 0.5 s before it polls at all.
+    server = spawn("control_server", free_port, 0.5, 0.5, 4.0)
+    client = ControlClient(f"tcp://127.0.0.1:{free_port}", client_id="client-a")
+    ack = client.request("checkpoint", {"tag": "best"}, timeout=15, retry=0.2)
+    assert client.attempts >= 2
+    assert ack.ok and ack.result == {"step": 42, "path": "/ckpt/1.pt"}
+    again = ControlClient(f"tcp://127.0.0.1:{free_port}", client_id="client-a")
+    duplicate = again.request("checkpoint", {"tag": "best"}, timeout=5, req=ack.req)
+    assert duplicate == ack
+    assert "bound" in server.line()
+    report = server.line(timeout=15)
+    assert report["applied"] == [["client-a", ack.req, "checkpoint"]]
+    assert report["duplicates"] >= 2  # the queued retries and the explicit duplicate
+    client.close()
+    again.close()
+
+
+@pytest.fixture
+def server():
+    srv = ControlServer()
+    srv.start()
+    yield srv
+    srv.close()
+
+
+def serve_in_background(srv, handle, stop_after=5.0):
+    import threading
+
+    def loop():
+        deadline = time.monotonic() + stop_after
+        while time.monotonic() < deadline:
+            for request in srv.poll():
+                handle(request)
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_poll_is_empty_and_non_blocking_when_nothing_is_pending(server):
+    assert server.poll() == []
+
+
+def test_refusal_reaches_the_client(server):
+    serve_in_background(server, lambda r: r.refuse("run already finished"))
+    with ControlClient(server.endpoint) as client:
+        ack = client.halt("enough", timeout=5)
+    assert not ack.ok and ack.error == "run already finished" and ack.op == "halt"
+
+
+def test_unknown_op_is_refused_without_reaching_the_trainer(server):
+    with ControlClient(server.endpoint) as client:
+        ack = client.request("delete_everything", timeout=5)
+    assert not ack.ok and "valid ops are halt, checkpoint" in ack.error
+    assert server.poll() == [] and server.stats.refused == 1
+
+
+def test_unauthorised_requests_are_refused_and_counted():
+    srv = ControlServer(authorize=lambda r: None if r.client == "ok" else "client not authorised")
+    srv.start()
+    try:
+        serve_in_background(srv, lambda r: r.ack(step=1))
+        assert ControlClient(srv.endpoint, client_id="ok").halt(timeout=5).ok
+        ack = ControlClient(srv.endpoint, client_id="mallory").halt(timeout=5)
+        assert not ack.ok and ack.error == "client not authorised"
+        assert srv.stats.unauthorized == 1
+    finally:
+        srv.close()
+
+
+def test_no_answer_times_out_clearly(free_port):
+    client = ControlClient(f"tcp://127.0.0.1:{free_port}")
+    with pytest.raises(ControlTimeout, match=r"no acknowledgement for halt .* within 0.5s"):
+        client.halt(timeout=0.5, retry=0.1)
+    client.close()
+
+
+def test_malformed_and_oversized_requests_are_counted_and_the_server_goes_on(server):
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.linger = 0
+    rogue.connect(server.endpoint)
+    for raw in (b"", b"\xc1garbage", encode_request("info_req"), b"x" * (5 << 20)):
+        rogue.send(raw)
+    deadline = time.monotonic() + 5
+    while server.stats.malformed < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.stats.malformed == 3  # the oversized one never reached the decoder
+    serve_in_background(server, lambda r: r.ack(step=7))
+    with ControlClient(server.endpoint) as client:
+        assert client.halt(timeout=5).result == {"step": 7}
+    rogue.close()
+    ctx.term()

@@ -1,0 +1,71 @@
+"""run.json: atomic writes, and finding a run by directory, name or endpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from bus import Publisher, RunInfo, RunNotFound, find_run, list_runs, mark_finished, read_run_info
+from bus.discovery import write_run_info
+
+
+def info(name="alpha", **kw):
+    return RunInfo(run_id=f"id-{name}", run_name=name, pid=os.getpid(), started=time.time(),
+                   endpoints={"events": "tcp://127.0.0.1:1", "state": "tcp://127.0.0.1:2",
+                              "control": "tcp://127.0.0.1:3"}, **kw)
+
+
+def test_write_is_atomic_and_owner_only(tmp_path):
+    path = write_run_info(tmp_path / "alpha", info())
+    assert json.loads(path.read_text())["run_name"] == "alpha"
+    assert oct((tmp_path / "alpha").stat().st_mode & 0o777) == "0o700"
+    assert [p.name for p in (tmp_path / "alpha").iterdir()] == ["run.json"]  # no temp left
+
+
+def test_find_by_directory_and_by_name(tmp_path):
+    write_run_info(tmp_path / "alpha", info())
+    assert find_run(str(tmp_path / "alpha")).run_id == "id-alpha"
+    assert find_run("alpha", runs_root=tmp_path).run_id == "id-alpha"
+
+
+def test_unknown_run_names_the_runs_that_exist(tmp_path):
+    write_run_info(tmp_path / "alpha", info())
+    with pytest.raises(RunNotFound, match=r"no run 'beta'.*alpha"):
+        find_run("beta", runs_root=tmp_path)
+
+
+def test_corrupt_run_file_is_a_clear_error(tmp_path):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "run.json").write_text("{not json")
+    with pytest.raises(RunNotFound, match="cannot be read"):
+        read_run_info(tmp_path / "bad")
+    (tmp_path / "bad" / "run.json").write_text('{"run_id": "x"}')
+    with pytest.raises(RunNotFound, match="lacks run_name"):
+        read_run_info(tmp_path / "bad")
+
+
+def test_mark_finished_and_list(tmp_path):
+    write_run_info(tmp_path / "alpha", info())
+    write_run_info(tmp_path / "beta", info("beta"))
+    mark_finished(tmp_path / "alpha")
+    runs = {r.run_name: r.finished for r in list_runs(tmp_path)}
+    assert runs == {"alpha": True, "beta": False}
+
+
+def test_find_by_endpoint_asks_the_run_itself():
+    pub = Publisher("id-live")
+    endpoints = pub.start()
+    pub.run_info = info("live", extra={"note": "from the wire"}).to_dict()
+    try:
+        found = find_run(endpoints["state"])
+        assert found.run_name == "live" and found.extra == {"note": "from the wire"}
+    finally:
+        pub.close(linger=0)
+
+
+def test_unreachable_endpoint_is_a_clear_error(free_port):
+    with pytest.raises(RunNotFound, match="no run answered"):
+        find_run(f"tcp://127.0.0.1:{free_port}", timeout=0.3)

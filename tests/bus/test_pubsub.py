@@ -1,0 +1,206 @@
+"""Publisher and subscriber over real sockets, with the other side in another process."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from bus import Publisher, PublisherSilent, Subscriber
+from bus.wire import EventEncoder
+
+
+def wait_until(predicate, timeout=5.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def publisher():
+    pub = Publisher("test-run", heartbeat_interval=0.1)
+    pub.start()
+    yield pub
+    pub.close(linger=0.1)
+
+
+def test_events_arrive_in_order_with_no_gaps(publisher):
+    with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
+                    topics=["batch_end", "after_loss"]) as sub:
+        sub.connect()
+        for i in range(1, 501):
+            publisher.publish("after_loss", (0, i, i, i, 0), {"loss": float(i)})
+            publisher.publish("batch_end", (0, i, i, i, 0), {"i": i})
+        got = []
+        while len(got) < 1000:
+            msg = sub.recv(timeout=5)
+            assert msg is not None
+            got.append(msg)
+        assert [m.data["i"] for m in got if m.topic == "batch_end"] == list(range(1, 501))
+        assert [m.seq for m in got] == sorted(m.seq for m in got)
+        assert sub.stats.gaps == 0 and sub.stats.received == 1000
+
+
+def test_events_nobody_subscribes_to_are_not_serialized(publisher):
+    assert not publisher.wants("after_loss")
+    assert publisher.wants("batch_end")  # retained for late joiners
+    before = publisher.seq
+    assert publisher.publish("after_loss", (0, 1, 1, 1, 0), {"loss": 1.0}) is False
+    assert publisher.seq == before
+    sub = Subscriber(publisher.endpoints["events"], topics=["after_loss"])
+    sub.connect()
+    wait_until(lambda: publisher.wants("after_loss"), what="subscription to reach the publisher")
+    sub.close()
+    wait_until(lambda: not publisher.wants("after_loss"), what="unsubscription")
+
+
+def test_subscribing_to_everything_wants_every_event(publisher):
+    with Subscriber(publisher.endpoints["events"]) as sub:
+        sub.connect()
+        wait_until(lambda: publisher.wants("before_forward") and publisher.wants("predict_end"))
+
+
+def test_slow_subscriber_in_another_process_costs_the_publisher_nothing(spawn):
+    total = 3000
+    pub = Publisher("slow-run", heartbeat_interval=0.1, subscriber_hwm=50)
+    endpoints = pub.start()
+    try:
+        child = spawn("slow_subscriber", endpoints["events"], endpoints["state"], total, 0.01)
+        assert child.line()["joined"]
+        wait_until(lambda: pub.wants("batch_end"))
+        for i in range(1, total + 1):
+            pub.publish("batch_end", (0, i, i, i, 0), {"i": i})
+        # Every send has completed while the subscriber is still sleeping through its backlog.
+        assert child.alive()
+        report = child.line(timeout=60)
+    finally:
+        pub.close(linger=0.1)
+    assert report["received"] < total  # it really fell behind
+    assert report["received"] + report["gaps"] == total  # and counted exactly what it missed
+    assert report["duplicates"] == 0
+
+
+def test_late_joiner_gets_config_and_latest_of_every_topic_at_once(spawn):
+    child = spawn("streaming_publisher", 30)
+    endpoints = child.line()
+    time.sleep(0.3)  # let the stream run ahead of the joiner
+    sub = Subscriber(endpoints["events"], endpoints["state"], topics=["batch_end", "epoch_start"])
+    start = time.monotonic()
+    state = sub.connect(join_timeout=5)
+    joined = time.monotonic() - start
+    try:
+        assert joined < 1.0, f"late join took {joined:.3f}s"
+        assert state.config == {"model": "mlp", "lr": 0.01, "max_duration": "1ep"}
+        topics = {m.topic: m for m in state.entries}
+        assert topics["epoch_start"].data["note"].startswith("sent once")  # not waited for
+        firsts = [sub.recv(timeout=2) for _ in state.entries]
+        assert all(m.from_state for m in firsts) and {m.topic for m in firsts} == set(topics)
+        seen = set()
+        for _ in range(300):
+            msg = sub.recv(timeout=2)
+            assert msg is not None and not msg.from_state
+            assert msg.tseq > topics[msg.topic].tseq  # nothing older than the state, twice
+            assert (msg.topic, msg.tseq) not in seen
+            seen.add((msg.topic, msg.tseq))
+        assert sub.stats.gaps == 0
+    finally:
+        sub.close()
+
+
+def test_silent_publisher_is_reported(spawn):
+    child = spawn("streaming_publisher", 30)
+    endpoints = child.line()
+    sub = Subscriber(endpoints["events"], endpoints["state"], topics=["batch_end"],
+                     heartbeat_timeout=0.5)
+    sub.connect()
+    assert sub.recv(timeout=2) is not None
+    child.popen.kill()
+    with pytest.raises(PublisherSilent, match="no heartbeat"):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            sub.recv(timeout=0.1)
+    sub.close()
+
+
+def test_tail_loss_is_counted_from_heartbeats(publisher):
+    sub = Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
+                     topics=["batch_end"], settle=0.05)
+    sub.connect()
+    publisher.publish("batch_end", (0, 1, 1, 1, 0), {})
+    assert sub.recv(timeout=2).tseq == publisher._tseq["batch_end"]
+    # Messages the subscriber never sees: sent while it is not subscribed to them.
+    publisher._wanted = publisher._wanted - {"batch_end"}
+    publisher._retained = frozenset()
+    hidden = Publisher.publish.__get__(publisher)
+    publisher._tseq["batch_end"] += 5  # five sends lost in flight (as a full queue would)
+    hidden("epoch_end", (0, 0, 0, 0, 0), {})
+    deadline = time.monotonic() + 3
+    while sub.stats.gaps == 0 and time.monotonic() < deadline:
+        sub.recv(timeout=0.05)
+    assert sub.stats.gaps == 5 and sub.stats.gaps_by_topic == {"batch_end": 5}
+    sub.close()
+
+
+def test_malformed_messages_from_a_rogue_publisher_are_counted_not_fatal():
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.PUB)
+    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", heartbeat_timeout=10, context=ctx)
+    sub._sub.subscribe(b"")
+    sub._sub.connect(f"tcp://127.0.0.1:{port}")
+    good = EventEncoder("r", "p", 0).encode("batch_end", 1, 1, (0, 0, 0, 0, 0), {})[0]
+    bad = [[b"\xff"], [b"batch_end\0\xc1"], [b"batch_end\0" + msgpack.packb({"v": 9})],
+           [good[:-3]], [good, b"extra frame"]]
+    deadline = time.monotonic() + 5
+    msg = None
+    while msg is None and time.monotonic() < deadline:
+        for frames in bad:
+            rogue.send_multipart(frames)
+        rogue.send(good)
+        msg = sub.recv(timeout=0.1)
+    assert msg is not None and msg.topic == "batch_end"
+    assert sub.stats.malformed >= len(bad)
+    sub.close()
+    rogue.close(linger=0)
+    ctx.term()
+
+
+def test_publisher_queue_full_is_a_counted_drop():
+    pub = Publisher("drop-run", queue_size=1, heartbeat_interval=0.1)
+    pub.start()
+    try:
+        sub = Subscriber(pub.endpoints["events"], pub.endpoints["state"], topics=["batch_end"])
+        sub.connect()
+        sent = sum(pub.publish("batch_end", (0, i, i, i, 0), {"pad": b"x" * 4096})
+                   for i in range(20000))
+        assert pub.drops > 0 and sent + pub.drops == 20000
+        deadline = time.monotonic() + 10
+        while sub.stats.received + sub.stats.gaps < 20000 and time.monotonic() < deadline:
+            sub.recv(timeout=0.1)
+        assert sub.stats.received + sub.stats.gaps == 20000
+        assert sub.stats.gaps >= pub.drops
+        sub.close()
+    finally:
+        pub.close(linger=0.1)
+
+
+def test_close_sends_final_heartbeat_and_subscriber_finishes(publisher):
+    sub = Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
+                     topics=["batch_end"], settle=0.05)
+    sub.connect()
+    publisher.publish("batch_end", (0, 1, 1, 1, 0), {})
+    publisher.close(linger=0.2)
+    got = []
+    deadline = time.monotonic() + 5
+    while not sub.finished and time.monotonic() < deadline:
+        msg = sub.recv(timeout=0.1)
+        if msg is not None:
+            got.append(msg)
+    assert sub.finished and sub.stats.gaps == 0
+    assert json.dumps([m.topic for m in got if not m.from_state])  # delivered before finishing
+    sub.close()

@@ -1,0 +1,199 @@
+"""Every message kind round-trips; bad bytes get WireError and nothing else."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from bus.wire import (
+    HEARTBEAT_TOPIC,
+    EventEncoder,
+    Limits,
+    WireError,
+    decode_event,
+    decode_reply,
+    decode_request,
+    encode_heartbeat,
+    encode_reply,
+    encode_request,
+)
+
+TENSORS = {
+    "f32": torch.randn(3, 4),
+    "f64": torch.randn(5, dtype=torch.float64),
+    "f16": torch.tensor(1.5, dtype=torch.float16),
+    "bf16": torch.randn(2, 2, 2).to(torch.bfloat16),
+    "i64": torch.arange(10),
+    "i8": torch.tensor([-3, 4], dtype=torch.int8),
+    "u8": torch.zeros(0, 7, dtype=torch.uint8),
+    "bool": torch.tensor([True, False, True]),
+    "strided": torch.arange(12.0).reshape(3, 4).t(),
+}
+
+
+def encode(topic="batch_end", data=None, **kw):
+    enc = EventEncoder("run-1", "pub-1", kw.get("rank", 0))
+    return enc.encode(topic, kw.get("seq", 7), kw.get("tseq", 3), (1, 20, 4, 640, 0), data or {})
+
+
+def test_event_round_trips_every_field():
+    msg = decode_event(encode(data={"loss": 0.25, "lr": [0.1, 0.01], "name": "x", "none": None}))
+    assert (msg.topic, msg.kind, msg.run, msg.pub, msg.rank) == ("batch_end", "ev", "run-1", "pub-1", 0)
+    assert (msg.seq, msg.tseq, msg.ts) == (7, 3, (1, 20, 4, 640, 0))
+    assert msg.data == {"loss": 0.25, "lr": [0.1, 0.01], "name": "x", "none": None}
+    assert msg.t > 1e9
+
+
+def test_tensors_of_several_dtypes_and_shapes_round_trip_as_raw_frames():
+    frames = encode(data={"tensors": TENSORS, "nested": [{"t": TENSORS["i64"]}]})
+    assert len(frames) == 1 + len(TENSORS) + 1  # one raw frame per tensor, no pickle
+    msg = decode_event(frames)
+    for name, tensor in TENSORS.items():
+        got = msg.data["tensors"][name]
+        assert got.dtype == str(tensor.dtype).removeprefix("torch.")
+        assert got.shape == tuple(tensor.shape)
+        assert torch.equal(got.to_torch(), tensor.contiguous()), name
+    assert torch.equal(msg.data["nested"][0]["t"].to_torch(), TENSORS["i64"])
+
+
+def test_tensor_bytes_are_not_copied_by_the_encoder():
+    big = torch.zeros(256, 1024)  # 1 MiB
+    frames = encode(data={"x": big})
+    view = frames[1]
+    assert isinstance(view, memoryview) and view.nbytes == big.numel() * 4
+    big[0, 0] = 5.0  # the frame is a view of the tensor's own memory
+    assert view[:4].cast("f")[0] == 5.0
+
+
+def test_numpy_arrays_and_scalars_encode():
+    import numpy as np
+
+    msg = decode_event(encode(data={"a": np.arange(4, dtype=np.int32), "s": np.float32(2.5)}))
+    assert msg.data["a"].to_numpy().tolist() == [0, 1, 2, 3]
+    assert msg.data["s"] == 2.5
+
+
+def test_unencodable_values_and_cuda_like_tensors_are_refused_clearly():
+    with pytest.raises(WireError, match="not pickled"):
+        encode(data={"obj": object()})
+
+    class FakeCuda:
+        dtype, shape = torch.float32, (1,)
+
+        def detach(self):
+            return self
+
+        device = torch.device("meta")
+
+    with pytest.raises(WireError, match="stage it to CPU"):
+        encode(data={"t": FakeCuda()})
+
+
+def test_heartbeat_round_trips():
+    raw = encode_heartbeat("run-1", "pub-1", 1, 99, {"batch_end": 40}, drops=2, interval=0.5, beat=3)
+    msg = decode_event([raw])
+    assert msg.topic == HEARTBEAT_TOPIC and msg.kind == "hb"
+    assert (msg.seq, msg.rank, msg.data["tseq"], msg.data["drops"], msg.data["beat"]) == (
+        99, 1, {"batch_end": 40}, 2, 3)
+    assert msg.data["final"] is False
+
+
+@pytest.mark.parametrize(
+    "kind,fields",
+    [
+        ("state_req", {"topics": ["batch_end"]}),
+        ("info_req", {}),
+        ("ctl", {"client": "c1", "req": 5, "op": "halt", "args": {"reason": "x"}, "t": 1.0}),
+    ],
+)
+def test_requests_round_trip(kind, fields):
+    body = decode_request(encode_request(kind, **fields))
+    assert body["k"] == kind and all(body[k] == v for k, v in fields.items())
+
+
+@pytest.mark.parametrize(
+    "kind,fields",
+    [
+        ("state", {"run": "r", "pub": "p", "rank": 0, "seq": 3, "tseq": {"a": 1}, "beat": 2,
+                   "config": {"lr": 0.1}, "entries": [1, 2]}),
+        ("info", {"run": {"run_id": "r"}}),
+        ("ack", {"client": "c", "req": 1, "op": "checkpoint", "ok": True,
+                 "result": {"path": "/x.pt", "step": 10}, "error": None}),
+        ("error", {"error": "nope"}),
+    ],
+)
+def test_replies_round_trip(kind, fields):
+    body = decode_reply(encode_reply(kind, **fields))
+    assert body["k"] == kind and all(body[k] == v for k, v in fields.items())
+
+
+FIELDS = ("v", "k", "run", "pub", "rank", "seq", "tseq", "t", "ts", "d")
+
+
+def _body(**override):
+    body = {"v": 1, "k": "ev", "run": "r", "pub": "p", "rank": 0, "seq": 1, "tseq": 1,
+            "t": 1.0, "ts": [0, 0, 0, 0, 0], "d": {}}
+    body.update(override)
+    return b"batch_end\0" + msgpack.packb([body[f] for f in FIELDS])
+
+
+BAD_EVENTS = {
+    "empty": [],
+    "no topic": [b"\x81\xa1v\x01"],
+    "not msgpack": [b"batch_end\0\xc1\xc1\xc1"],
+    "truncated": [_body()[:-5]],
+    "trailing bytes": [_body() + b"\x00"],
+    "not an array": [b"batch_end\0" + msgpack.packb({"v": 1})],
+    "short array": [b"batch_end\0" + msgpack.packb([1, 2])],
+    "int time": [_body(t=1)],
+    "wrong version": [_body(v=2)],
+    "no version": [b"batch_end\0" + msgpack.packb({"k": "ev"})],
+    "bad field type": [_body(seq="7")],
+    "bool as int": [_body(rank=True)],
+    "bad ts": [_body(ts=[1, 2])],
+    "unknown ext": [b"batch_end\0" + msgpack.packb({"v": 1, "x": msgpack.ExtType(9, b"")})],
+    "tensor without frame": [b"batch_end\0" + msgpack.packb(
+        {"v": 1, "d": msgpack.ExtType(1, msgpack.packb([1, "float32", [2]]))})],
+    "tensor size mismatch": [
+        _body(d={"t": msgpack.ExtType(1, msgpack.packb([1, "float32", [3]]))}), b"\0" * 8],
+    "tensor bad dtype": [
+        _body(d={"t": msgpack.ExtType(1, msgpack.packb([1, "object", [1]]))}), b"\0" * 8],
+    "bad utf8 topic": [b"\xff\xfe\0" + msgpack.packb({"v": 1})],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_EVENTS))
+def test_bad_event_bytes_raise_wire_error(name):
+    with pytest.raises(WireError):
+        decode_event(BAD_EVENTS[name])
+
+
+def test_oversized_messages_are_refused_before_decoding():
+    limits = Limits(max_body_bytes=1024, max_frames=2, max_message_bytes=4096)
+    with pytest.raises(WireError, match="limit is 1024"):
+        decode_event([b"batch_end\0" + b"\xc1" * 2000], limits)  # invalid bytes never looked at
+    with pytest.raises(WireError, match="frames"):
+        decode_event([_body(), b"", b"", b""], limits)
+    with pytest.raises(WireError, match="limit is 4096"):
+        decode_event([_body(), b"\0" * 5000], limits)
+    with pytest.raises(WireError, match="limit is 1024"):
+        decode_request(b"\x00" * 2048, limits)
+
+
+def test_deep_nesting_and_huge_declared_lengths_are_bounded():
+    deep = b"batch_end\0" + b"\x91" * 100_000 + b"\x00"
+    with pytest.raises(WireError):
+        decode_event([deep])
+    huge_array = b"batch_end\0" + b"\xdd\xff\xff\xff\xff"  # array32 claiming 4G items
+    with pytest.raises(WireError):
+        decode_event([huge_array])
+
+
+@pytest.mark.parametrize("raw", [b"", b"\xc1", msgpack.packb({"v": 1, "k": "nope"}),
+                                 msgpack.packb({"v": 3, "k": "ctl"}),
+                                 msgpack.packb({"v": 1, "k": "ctl", "client": "c", "req": "1",
+                                                "op": "halt", "args": {}})])
+def test_bad_requests_raise_wire_error(raw):
+    with pytest.raises(WireError):
+        decode_request(raw)

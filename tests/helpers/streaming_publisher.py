@@ -1,0 +1,20 @@
+"""Publishes a run: config, one epoch_start, then a batch_end every millisecond."""
+
+import json
+import sys
+import time
+
+from bus import Publisher
+
+pub = Publisher("late-join-run", heartbeat_interval=0.2)
+endpoints = pub.start()
+pub.set_config({"model": "mlp", "lr": 0.01, "max_duration": "1ep"})
+pub.publish("epoch_start", (0, 0, 0, 0, 0), {"note": "sent once, long before anyone joins"})
+print(json.dumps(endpoints), flush=True)
+limit = float(sys.argv[1]) if len(sys.argv) > 1 else 30.0
+start, batch = time.monotonic(), 0
+while time.monotonic() - start < limit:
+    batch += 1
+    pub.publish("batch_end", (0, batch, batch, batch * 32, 0), {"loss": 1.0 / batch})
+    time.sleep(0.001)
+pub.close()
