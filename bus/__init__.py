@@ -13,6 +13,7 @@ from bus.discovery import (
     read_run_info,
     write_run_info,
 )
+from bus.duration import DurationError, Time, TimeUnit
 from bus.errors import BusError, ControlTimeout, PublisherSilent, RunNotFound, WireError
 from bus.events import CHECKPOINT_SAVED, EVENT_TOPICS, RUN_TOPICS, Event
 from bus.publisher import DEFAULT_RETAINED, Publisher
@@ -28,6 +29,7 @@ __all__ = [
     "ControlServer",
     "ControlTimeout",
     "DEFAULT_RETAINED",
+    "DurationError",
     "EVENT_TOPICS",
     "Event",
     "JoinState",
@@ -40,6 +42,8 @@ __all__ = [
     "RunNotFound",
     "Subscriber",
     "TensorFrame",
+    "Time",
+    "TimeUnit",
     "WireError",
     "default_runs_root",
     "find_run",

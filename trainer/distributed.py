@@ -1,0 +1,62 @@
+"""torch.distributed helpers: rank and world size, and the one CPU collective per batch
+by which every rank agrees on control decisions (rank 0 decides, gloo carries it)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["rank", "world_size", "is_distributed", "init_from_env", "ControlAgreement"]
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def init_from_env() -> bool:
+    """Join the process group torchrun describes (gloo on CPU, nccl on CUDA)."""
+    if is_distributed() or int(os.environ.get("WORLD_SIZE", 1)) <= 1:
+        return is_distributed()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend)
+    return True
+
+
+class ControlAgreement:
+    """Broadcasts rank 0's decision (halt, checkpoints to save) as a small CPU tensor.
+
+    Every rank calls `agree()` at the same point of every batch, so no rank waits in
+    a collective the others never enter. It runs on a gloo group even when training
+    uses nccl, so it never touches a GPU stream.
+    """
+
+    def __init__(self) -> None:
+        self.active = is_distributed() and dist.get_world_size() > 1
+        if self.active:
+            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+            self._flags = torch.zeros(2, dtype=torch.int64)
+
+    def agree(self, halt: bool, checkpoints: int) -> tuple[bool, int]:
+        if not self.active:
+            return halt, checkpoints
+        self._flags[0], self._flags[1] = int(halt), checkpoints
+        dist.broadcast(self._flags, src=0, group=self._group)
+        return bool(self._flags[0]), int(self._flags[1])
+
+    def gather(self, obj):
+        """Every rank's `obj`, on every rank (used only on checkpoint steps)."""
+        if not self.active:
+            return [obj]
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj, group=self._group)
+        return out

@@ -1,0 +1,17 @@
+"""The trainer's errors: one base type; ConfigError for anything knowable before training."""
+
+from __future__ import annotations
+
+__all__ = ["TrainerError", "ConfigError", "CheckpointError"]
+
+
+class TrainerError(Exception):
+    """Base of every error the trainer raises on purpose."""
+
+
+class ConfigError(TrainerError, ValueError):
+    """A bad argument to Trainer: names the argument, the value, and what would be valid."""
+
+
+class CheckpointError(TrainerError):
+    """A checkpoint that could not be written or read."""

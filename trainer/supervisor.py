@@ -1,0 +1,163 @@
+"""Worker processes for a Trainer's `callbacks=[...]`: spawned, awaited, supervised.
+
+Each callback object runs in its own process (multiprocessing "spawn"). The trainer
+waits until every worker is listening before it publishes `init`, never waits on a
+worker while training, reports a worker that dies, and at the end gives each one
+until `fit_end` has reached it before it closes the stream.
+
+The worker runtime is a separate program, found by module name: `trainer` never
+imports `workers` (the design brief keeps them independent).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing as mp
+import pickle
+import threading
+import time
+from multiprocessing.connection import wait
+from typing import Any
+
+from trainer.errors import ConfigError
+
+__all__ = ["CallbackWorkers", "WORKER_ENTRY"]
+
+WORKER_ENTRY = "workers.runtime:serve_trainer_callback"
+log = logging.getLogger("offloop.trainer")
+
+
+def _child(entry: str, callback: Any, run_dir: str, conn) -> None:
+    module, func = entry.split(":")
+    getattr(importlib.import_module(module), func)(callback, run_dir, conn)
+
+
+class _Worker:
+    def __init__(self, callback: Any, process, conn) -> None:
+        self.callback, self.process, self.conn = callback, process, conn
+        self.name = type(callback).__name__
+        self.ready = False
+        self.fit_end_seen = False
+        self.reported_dead = False
+        self.report: dict = {}
+
+
+class CallbackWorkers:
+    """One process per callback; see the module docstring."""
+
+    def __init__(self, callbacks: list, run_dir: str, ready_timeout: float = 120.0) -> None:
+        self.callbacks = list(callbacks)
+        self.run_dir = run_dir
+        self.ready_timeout = ready_timeout
+        self.workers: list[_Worker] = []
+        self.crashes: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Spawn every worker and return once each is listening (or has failed)."""
+        if not self.callbacks:
+            return
+        ctx = mp.get_context("spawn")
+        for callback in self.callbacks:
+            try:
+                pickle.dumps(callback)
+            except Exception as exc:
+                raise ConfigError(
+                    f"callback {type(callback).__name__} cannot be sent to its worker process "
+                    f"(it must be picklable, and its class importable): {exc}"
+                ) from None
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=_child, args=(WORKER_ENTRY, callback, self.run_dir, child),
+                                  name=f"offloop-worker-{type(callback).__name__}", daemon=True)
+            process.start()
+            child.close()
+            self.workers.append(_Worker(callback, process, parent))
+        deadline = time.monotonic() + self.ready_timeout
+        while not all(w.ready or not w.process.is_alive() for w in self.workers):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._receive(timeout=min(left, 0.5))
+        for worker in self.workers:
+            if not worker.ready:
+                self._dead(worker, "did not start listening before init")
+        self._thread = threading.Thread(target=self._supervise, daemon=True,
+                                        name="offloop-supervisor")
+        self._thread.start()
+
+    def _receive(self, timeout: float) -> None:
+        conns = [w.conn for w in self.workers if not w.conn.closed]
+        sentinels = [w.process.sentinel for w in self.workers if w.process.is_alive()]
+        for ready in wait(conns + sentinels, timeout=timeout):
+            for worker in self.workers:
+                if ready is worker.conn:
+                    self._message(worker)
+                elif ready == worker.process.sentinel and not worker.process.is_alive():
+                    self._drain(worker)
+                    if not worker.fit_end_seen:
+                        self._dead(worker, f"exited with code {worker.process.exitcode}")
+
+    def _message(self, worker: _Worker) -> None:
+        try:
+            kind, payload = worker.conn.recv()
+        except (EOFError, OSError):
+            worker.conn.close()
+            return
+        with self._lock:
+            if kind == "ready":
+                worker.ready = True
+            elif kind == "fit_end":
+                worker.fit_end_seen = True
+                worker.report = payload
+            elif kind == "error":
+                log.warning("offloop: worker %s: %s", worker.name, payload)
+
+    def _drain(self, worker: _Worker) -> None:
+        while not worker.conn.closed and worker.conn.poll(0):
+            self._message(worker)
+
+    def _dead(self, worker: _Worker, why: str) -> None:
+        with self._lock:
+            if worker.reported_dead:
+                return
+            worker.reported_dead = True
+            message = f"callback worker {worker.name} (pid {worker.process.pid}) {why}; training goes on"
+            self.crashes.append(message)
+        log.warning("offloop: %s", message)
+
+    def _supervise(self) -> None:
+        while not self._stop.is_set():
+            if not any(w.process.is_alive() for w in self.workers):
+                return
+            self._receive(timeout=0.5)
+
+    def wait_for_fit_end(self, timeout: float) -> None:
+        """Give every live worker until `timeout` to report it has handled fit_end."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                pending = [w for w in self.workers if w.process.is_alive() and not w.fit_end_seen]
+            if not pending:
+                return
+            time.sleep(0.02)
+        for worker in self.workers:
+            if worker.process.is_alive() and not worker.fit_end_seen:
+                log.warning("offloop: callback worker %s had not handled fit_end after %.0fs",
+                            worker.name, timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """After the stream has closed: let workers exit, then end the ones that do not."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                log.warning("offloop: callback worker %s did not exit; terminating it", worker.name)
+                worker.process.terminate()
+                worker.process.join(timeout=5)
+            worker.conn.close()
+        if self._thread is not None:
+            self._thread.join(timeout=2)

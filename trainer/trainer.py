@@ -1,0 +1,735 @@
+"""The Trainer: Composer's training loop, publishing a snapshot at every event.
+
+Read `_train_batch` for what happens in one batch and `_fit_loop` for the order of
+the events around it; every event is fired visibly where it happens, in Composer's
+order. Publishing never waits, never synchronises the GPU, and skips events no
+worker wants. Control requests (halt, checkpoint) are read once per batch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import random
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from bus import (
+    CHECKPOINT_SAVED,
+    ControlServer,
+    Event,
+    Publisher,
+    RunInfo,
+    Time,
+    TimeUnit,
+    mark_finished,
+    write_run_info,
+)
+from bus.duration import DurationError
+from trainer import distributed
+from trainer.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from trainer.errors import CheckpointError, ConfigError, TrainerError
+from trainer.snapshot import Emitter
+from trainer.supervisor import CallbackWorkers
+from trainer.timestamp import Timestamp
+
+__all__ = ["Trainer"]
+
+log = logging.getLogger("offloop.trainer")
+
+PRECISIONS = ("fp32", "amp_fp16", "amp_bf16")
+#: Event values as plain strings: the topics the loop publishes, looked up cheaply.
+E = SimpleNamespace(**{event.name: event.value for event in Event})
+
+
+class Trainer:
+    """Composer-shaped trainer; callbacks run in worker processes, not in this loop.
+
+    Args mirror `composer.Trainer`: `model` either follows Composer's protocol
+    (`outputs = model(batch)`, `loss = model.loss(outputs, batch)`) or is any
+    `nn.Module` used with `loss_fn=` on `(input, target)` batches. Durations are
+    Composer time strings ('3ep', '500ba', '10000sp', '1000tok').
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_dataloader: Iterable | None = None,
+        max_duration: str | Time | None = None,
+        *,
+        optimizers: torch.optim.Optimizer | list | None = None,
+        schedulers: Any = None,
+        eval_dataloader: Iterable | Mapping[str, Iterable] | None = None,
+        eval_interval: str | int | Time = 1,
+        eval_metrics: Any = None,
+        loss_fn: Callable | None = None,
+        callbacks: list | None = None,
+        run_name: str | None = None,
+        run_dir: str | os.PathLike | None = None,
+        device: str | torch.device = "auto",
+        precision: str = "fp32",
+        grad_accum: int = 1,
+        load_path: str | os.PathLike | None = None,
+        save_folder: str | os.PathLike | None = None,
+        seed: int | None = None,
+        iteration_length: int | None = None,
+        num_tokens_fn: Callable[[Any], int] | None = None,
+        publish: bool = True,
+        publish_eval_outputs: bool = False,
+        per_param_grad_norms: bool = False,
+        hparams: Mapping[str, Any] | None = None,
+        host: str = "127.0.0.1",
+        heartbeat_interval: float = 0.5,
+        checkpoint_on_sigterm: bool = True,
+        worker_shutdown_timeout: float = 60.0,
+    ) -> None:
+        self.rank = distributed.rank() if distributed.init_from_env() else 0
+        self.world_size = distributed.world_size()
+        self.device = _resolve_device(device)
+        if precision not in PRECISIONS:
+            raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+        if not isinstance(grad_accum, int) or grad_accum < 1:
+            raise ConfigError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
+        self.max_duration = _parse_duration("max_duration", max_duration) if max_duration else None
+        if self.max_duration is not None and self.max_duration.unit is TimeUnit.TOKEN and not num_tokens_fn:
+            raise ConfigError("max_duration in tokens needs num_tokens_fn= to count tokens per batch")
+        self.eval_interval = _parse_duration(
+            "eval_interval", f"{eval_interval}ep" if isinstance(eval_interval, int) else eval_interval)
+        if self.eval_interval.unit not in (TimeUnit.EPOCH, TimeUnit.BATCH):
+            raise ConfigError(f"eval_interval {eval_interval!r} must be in epochs or batches")
+        if not hasattr(model, "loss") and loss_fn is None:
+            raise ConfigError(f"model {type(model).__name__} has no loss(outputs, batch) method and "
+                              "no loss_fn= was given: one of them is needed to train")
+        self.seed = seed if seed is not None else random.randrange(2**31)
+        _seed_everything(self.seed)
+        self.precision, self.grad_accum = precision, grad_accum
+        self.loss_fn, self.num_tokens_fn = loss_fn, num_tokens_fn
+        self.iteration_length = iteration_length
+        self.publish_eval_outputs, self.per_param_grad_norms = publish_eval_outputs, per_param_grad_norms
+
+        self.model = model.to(self.device)
+        if self.world_size > 1 and not isinstance(model, nn.parallel.DistributedDataParallel):
+            self.model = nn.parallel.DistributedDataParallel(self.model)
+        self.optimizers = _as_list(optimizers) or [torch.optim.SGD(self.model.parameters(), lr=0.1)]
+        self.schedulers = _as_list(schedulers)
+        self.train_dataloader = train_dataloader
+        self.eval_dataloaders = _eval_loaders(eval_dataloader)
+        self.eval_metrics = _metrics(eval_metrics, self.device)
+        self.timestamp = Timestamp()
+        self.run_id = uuid.uuid4().hex[:12]
+        self.run_name = run_name or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{self.run_id[:6]}"
+        self.run_dir = Path(run_dir) if run_dir else Path(os.environ.get("OFFLOOP_RUNS", "runs")) / self.run_name
+        self.save_folder = Path(save_folder) if save_folder else self.run_dir / "checkpoints"
+        self.hparams = dict(hparams or {})
+        self.stopped_by: dict[str, Any] | None = None
+        self.checkpoints: list[str] = []
+        self._stop = False
+        self._closed = False
+        self._in_fit = False
+        self._epoch_rng: dict | None = None
+        self._resume_batches = 0
+        self._pending_ckpts: list = []
+        self._pending_halts: list = []
+        self._sigterm = False
+        self._ckpts_due = 0
+        self.checkpoint_on_sigterm = checkpoint_on_sigterm
+        self._agreement = distributed.ControlAgreement()
+
+        self.publisher: Publisher | None = None
+        self.control: ControlServer | None = None
+        if publish:
+            self._start_bus(host, heartbeat_interval)
+        self.emitter = Emitter(self.publisher, self.device)
+        self.workers = CallbackWorkers(callbacks or [], str(self.run_dir))
+        self.worker_shutdown_timeout = worker_shutdown_timeout
+        if callbacks and not publish:
+            raise ConfigError("callbacks run in worker processes and need publish=True")
+        if self.rank == 0:
+            self.workers.start()  # every worker listens before init is published
+        atexit.register(self.close)
+        if checkpoint_on_sigterm:
+            _install_sigterm(self)
+
+        self.emitter.emit(E.INIT, self.timestamp.as_tuple(), {"config": self.config()})
+        if load_path is not None:
+            self.emitter.emit(E.BEFORE_LOAD, self.timestamp.as_tuple())
+            self._load(load_path)
+            self.emitter.emit(E.AFTER_LOAD, self.timestamp.as_tuple(), {"path": str(load_path)})
+
+    # ------------------------------------------------------------------ set-up
+
+    def _start_bus(self, host: str, heartbeat_interval: float) -> None:
+        self.publisher = Publisher(self.run_id, rank=self.rank, host=host,
+                                   heartbeat_interval=heartbeat_interval)
+        endpoints = self.publisher.start()
+        ranks_endpoints = self._agreement.gather(dict(endpoints))
+        if self.rank == 0:
+            self.control = ControlServer(host=host)
+            endpoints["control"] = self.control.start()
+            info = RunInfo(self.run_id, self.run_name, os.getpid(), time.time(), endpoints,
+                           host=socket.gethostname(), world_size=self.world_size,
+                           ranks=ranks_endpoints, extra={"config": self.config()})
+            write_run_info(self.run_dir, info)
+            self.publisher.run_info = info.to_dict()
+        self.publisher.set_config(self.config())
+
+    def config(self) -> dict[str, Any]:
+        """The run config: what a late joiner and every `init`/`fit_start` carries."""
+        model = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) else self.model
+        return {
+            "run_name": self.run_name,
+            "run_id": self.run_id,
+            "model": type(model).__name__,
+            "num_params": sum(p.numel() for p in model.parameters()),
+            "max_duration": str(self.max_duration) if self.max_duration else None,
+            "dataloader_len": _len(self.train_dataloader),
+            "eval_interval": str(self.eval_interval),
+            "eval_dataloaders": {k: _len(v) for k, v in self.eval_dataloaders.items()},
+            "world_size": self.world_size,
+            "device": str(self.device),
+            "precision": self.precision,
+            "grad_accum": self.grad_accum,
+            "seed": self.seed,
+            "optimizers": [_describe_optimizer(o) for o in self.optimizers],
+            "hparams": self.hparams,
+        }
+
+    # --------------------------------------------------------------- fit loop
+
+    def fit(self, *, duration: str | Time | None = None) -> None:
+        """Train until max_duration (or a halt); fires FIT_START … FIT_END."""
+        if duration is not None:
+            self.max_duration = _parse_duration("duration", duration)
+        if self.max_duration is None:
+            raise ConfigError("no max_duration: pass max_duration= to Trainer or duration= to fit()")
+        if self.train_dataloader is None:
+            raise ConfigError("no train_dataloader was given")
+        self._stop = False
+        self._in_fit = True
+        try:
+            self._fit_loop()
+        finally:
+            self._in_fit = False
+            self._finish_fit()
+        if self._sigterm:
+            self.close()
+            raise SystemExit(128 + signal.SIGTERM)
+
+    def _fit_loop(self) -> None:
+        ts = self.timestamp
+        self.emitter.emit(E.FIT_START, ts.as_tuple(), {"config": self.config()})
+        self.model.train()
+        while not self._stop and not self.max_duration.reached(ts):
+            if ts.epoch_in_iteration == 0 and ts.batch_in_epoch == 0:
+                self.emitter.emit(E.ITERATION_START, ts.as_tuple())
+            if ts.batch_in_epoch == 0:
+                self.emitter.emit(E.EPOCH_START, ts.as_tuple())
+            finished_early = False
+            for batch in self._epoch_batches():
+                self._train_batch(batch)
+                if self._stop or self.max_duration.reached(ts):
+                    finished_early = True
+                    break
+            if not finished_early or ts.batch_in_epoch == _len(self.train_dataloader):
+                ts.next_epoch()
+                self.emitter.emit(E.EPOCH_END, ts.as_tuple())
+                if self.eval_interval.unit is TimeUnit.EPOCH and ts.epoch % self.eval_interval.value == 0:
+                    self._run_evaluators()
+                    self.model.train()
+                self.emitter.emit(E.EPOCH_CHECKPOINT, ts.as_tuple())
+                if self.iteration_length and ts.epoch_in_iteration == self.iteration_length:
+                    ts.next_iteration()
+                    self.emitter.emit(E.ITERATION_END, ts.as_tuple())
+                    self.emitter.emit(E.ITERATION_CHECKPOINT, ts.as_tuple())
+
+    def _epoch_batches(self):
+        """The epoch's batches; on resume, the batches already trained are skipped."""
+        sampler = getattr(self.train_dataloader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.timestamp.epoch)
+        if self._resume_batches and self._epoch_rng is not None:
+            resume_rng = rng_state()
+            set_rng_state(self._epoch_rng)
+        self._epoch_rng = rng_state()  # what this epoch's data order is drawn from
+        ts = self.timestamp
+        self.emitter.emit(E.BEFORE_DATALOADER, ts.as_tuple())
+        iterator = iter(self.train_dataloader)
+        if self._resume_batches:
+            for _ in range(self._resume_batches):
+                next(iterator)
+            set_rng_state(resume_rng)
+            self._resume_batches = 0
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self.emitter.emit(E.AFTER_DATALOADER, ts.as_tuple())
+            yield batch
+            self.emitter.emit(E.BEFORE_DATALOADER, ts.as_tuple())
+
+    def _train_batch(self, batch: Any) -> None:
+        """One optimizer step, every event of it in Composer's order."""
+        ts, emit, wants = self.timestamp, self.emitter.emit, self.emitter.wants
+        batch = _to_device(batch, self.device)
+        size = _batch_size(batch)
+        now = ts.as_tuple()
+        emit(E.BATCH_START, now, {"batch_size": size})
+        emit(E.BEFORE_TRAIN_BATCH, now, {"batch_size": size, "microbatches": self.grad_accum})
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        total_loss = None
+        for i, micro in enumerate(_split(batch, self.grad_accum)):
+            emit(E.BEFORE_FORWARD, now, {"microbatch": i})
+            with self._autocast():
+                outputs = self._forward(micro)
+                emit(E.AFTER_FORWARD, now, {"microbatch": i})
+                emit(E.BEFORE_LOSS, now, {"microbatch": i})
+                loss = self._loss(outputs, micro)
+                if self.grad_accum > 1:
+                    loss = loss * (_batch_size(micro) / size)
+            if wants(E.AFTER_LOSS):
+                emit(E.AFTER_LOSS, now, {"microbatch": i, "loss": loss.detach()})
+            emit(E.BEFORE_BACKWARD, now, {"microbatch": i})
+            loss.backward()
+            emit(E.AFTER_BACKWARD, now, {"microbatch": i})
+            total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
+        if wants(E.AFTER_TRAIN_BATCH):
+            emit(E.AFTER_TRAIN_BATCH, now, self._grad_snapshot(total_loss))
+        for opt in self.optimizers:
+            opt.step()
+        for scheduler in self.schedulers:
+            scheduler.step()
+        ts.next_batch(size, self.num_tokens_fn(batch) if self.num_tokens_fn else 0)
+        now = ts.as_tuple()
+        if wants(E.BATCH_END):
+            emit(E.BATCH_END, now, self._batch_end_snapshot(total_loss, size))
+        self._poll_control()
+        if self.eval_interval.unit is TimeUnit.BATCH and ts.batch % self.eval_interval.value == 0:
+            self._run_evaluators()
+            self.model.train()
+        emit(E.BATCH_CHECKPOINT, now)
+        self._save_requested("batch_checkpoint")
+        if self.emitter.cuda:
+            self.emitter.poll()
+
+    def _forward(self, batch: Any) -> Any:
+        if self.loss_fn is None:
+            return self.model(batch)
+        inputs, _ = _pair(batch)
+        return self.model(inputs)
+
+    def _loss(self, outputs: Any, batch: Any) -> torch.Tensor:
+        if self.loss_fn is None:
+            model = getattr(self.model, "module", self.model)
+            return model.loss(outputs, batch)
+        _, targets = _pair(batch)
+        return self.loss_fn(outputs, targets)
+
+    def _autocast(self):
+        if self.precision == "fp32":
+            return nullcontext()
+        dtype = torch.float16 if self.precision == "amp_fp16" else torch.bfloat16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _grad_snapshot(self, loss: torch.Tensor | None) -> dict[str, Any]:
+        """Global gradient L2 norm, computed on the device (no sync); per-parameter opt-in."""
+        named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        if not named:
+            return {"grad_norm": None, "loss": loss}
+        norms = torch._foreach_norm([g.detach() for _, g in named])
+        snapshot: dict[str, Any] = {"grad_norm": torch.linalg.vector_norm(torch.stack(norms)),
+                                    "loss": loss}
+        if self.per_param_grad_norms:
+            snapshot["param_grad_norms"] = {n: v for (n, _), v in zip(named, norms, strict=True)}
+        return snapshot
+
+    def _batch_end_snapshot(self, loss: torch.Tensor | None, size: int) -> dict[str, Any]:
+        snapshot: dict[str, Any] = {
+            "loss": loss,
+            "lr": [group["lr"] for opt in self.optimizers for group in opt.param_groups],
+            "batch_size": size,
+        }
+        if self.device.type == "cuda":
+            snapshot["memory"] = _cuda_memory(self.device)
+        return snapshot
+
+    # ------------------------------------------------------------------ control
+
+    def _poll_control(self) -> None:
+        """Read control requests once per batch; all ranks agree on what to do."""
+        requests = self.control.poll() if self.control is not None else ()
+        for request in requests:
+            (self._pending_halts if request.op == "halt" else self._pending_ckpts).append(request)
+        halt = bool(self._pending_halts) or self._sigterm
+        sigterm_ckpt = int(self._sigterm and self.checkpoint_on_sigterm)
+        halt, ckpts = self._agreement.agree(halt, len(self._pending_ckpts) + sigterm_ckpt)
+        if halt:
+            self._stop = True
+        self._ckpts_due = ckpts
+
+    def _save_requested(self, where: str) -> None:
+        if not self._ckpts_due:
+            return
+        self._ckpts_due = 0
+        requests, self._pending_ckpts = self._pending_ckpts, []
+        tags = [r.args.get("tag", "") for r in requests] or ["sigterm"]
+        tag = "-".join(t for t in tags if t) if tags else ""
+        try:
+            path = self.save_checkpoint(tag=tag)
+        except CheckpointError as exc:
+            for request in requests:
+                request.refuse(str(exc), step=self.timestamp.batch)
+            log.warning("offloop: %s; training goes on", exc)
+            return
+        for request in requests:
+            request.ack(path=str(path), step=self.timestamp.batch, event=where)
+        self.emitter.emit(CHECKPOINT_SAVED, self.timestamp.as_tuple(),
+                          {"path": str(path), "step": self.timestamp.batch, "tag": tag,
+                           "event": where, "requested_by": [[r.client, r.req] for r in requests]})
+
+    def request_halt(self, reason: str = "") -> None:
+        """In-process twin of a halt request: stop after the current batch."""
+        self._stop = True
+        self.stopped_by = {"reason": reason, "client": "in-process"}
+
+    # -------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, tag: str = "") -> Path:
+        """Write a checkpoint now (rank 0 writes; every rank must call it at the same step)."""
+        ts = self.timestamp
+        name = f"ep{ts.epoch}-ba{ts.batch}" + (f"-{tag}" if tag else "") + ".pt"
+        rngs = self._agreement.gather(rng_state())
+        path = self.save_folder / name
+        if self.rank == 0:
+            model = getattr(self.model, "module", self.model)
+            save_checkpoint(path, {
+                "format": "offloop-checkpoint-1",
+                "model": model.state_dict(),
+                "optimizers": [o.state_dict() for o in self.optimizers],
+                "schedulers": [s.state_dict() for s in self.schedulers],
+                "timestamp": ts.state_dict(),
+                "rng": rngs,
+                "epoch_rng": self._agreement.gather(self._epoch_rng),
+                "seed": self.seed,
+                "run_name": self.run_name,
+            })
+            self.checkpoints.append(str(path))
+        return path
+
+    def _load(self, load_path: str | os.PathLike) -> None:
+        state = load_checkpoint(load_path)
+        if state.get("format") != "offloop-checkpoint-1":
+            raise CheckpointError(f"load_path {str(load_path)!r} is not an offloop checkpoint")
+        model = getattr(self.model, "module", self.model)
+        model.load_state_dict(state["model"])
+        if len(state["optimizers"]) != len(self.optimizers):
+            raise CheckpointError(f"checkpoint has {len(state['optimizers'])} optimizers, "
+                                  f"this trainer {len(self.optimizers)}")
+        for opt, opt_state in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(opt_state)
+        for sched, sched_state in zip(self.schedulers, state["schedulers"], strict=False):
+            sched.load_state_dict(sched_state)
+        self.timestamp.load_state_dict(state["timestamp"])
+        rank = min(self.rank, len(state["rng"]) - 1)
+        set_rng_state(state["rng"][rank])
+        self._epoch_rng = state["epoch_rng"][rank]
+        self._resume_batches = self.timestamp.batch_in_epoch
+
+    # --------------------------------------------------------------------- eval
+
+    def _run_evaluators(self) -> None:
+        ts = self.timestamp.as_tuple()
+        self.emitter.emit(E.EVAL_BEFORE_ALL, ts)
+        results = {label: self._evaluate(label, loader) for label, loader in self.eval_dataloaders.items()}
+        self.emitter.emit(E.EVAL_AFTER_ALL, ts, {"metrics": results})
+
+    def _evaluate(self, label: str, loader: Iterable) -> dict[str, Any]:
+        ts, emit = self.timestamp.as_tuple(), self.emitter.emit
+        for metric in self.eval_metrics.values():
+            metric.reset()
+        emit(E.EVAL_START, ts, {"dataloader_label": label})
+        self.model.eval()
+        loss_sum, count = None, 0
+        with torch.no_grad():
+            for batch in loader:
+                batch = _to_device(batch, self.device)
+                emit(E.EVAL_BATCH_START, ts, {"dataloader_label": label})
+                emit(E.EVAL_BEFORE_FORWARD, ts, {"dataloader_label": label})
+                with self._autocast():
+                    outputs = self._eval_forward(batch)
+                emit(E.EVAL_AFTER_FORWARD, ts, {"dataloader_label": label})
+                targets = self._targets(batch)
+                for metric in self.eval_metrics.values():
+                    metric.update(outputs, targets)
+                batch_loss = self._loss(outputs, batch).detach() * _batch_size(batch)
+                loss_sum = batch_loss if loss_sum is None else loss_sum + batch_loss
+                count += _batch_size(batch)
+                data: dict[str, Any] = {"dataloader_label": label}
+                if self.publish_eval_outputs:
+                    data["outputs"], data["targets"] = outputs.detach(), targets.detach()
+                emit(E.EVAL_BATCH_END, ts, data)
+        metrics = {name: metric.compute() for name, metric in self.eval_metrics.items()}
+        if loss_sum is not None:
+            metrics["loss"] = loss_sum / max(count, 1)
+        emit(E.EVAL_END, ts, {"dataloader_label": label, "metrics": metrics})
+        return metrics
+
+    def _eval_forward(self, batch: Any) -> Any:
+        model = getattr(self.model, "module", self.model)
+        if self.loss_fn is None and hasattr(model, "eval_forward"):
+            return model.eval_forward(batch)
+        return self._forward(batch)
+
+    def _targets(self, batch: Any) -> Any:
+        if self.loss_fn is not None:
+            return _pair(batch)[1]
+        model = getattr(self.model, "module", self.model)
+        if hasattr(model, "get_targets"):
+            return model.get_targets(batch)
+        return _pair(batch)[1]
+
+    def eval(self, eval_dataloader: Iterable | Mapping[str, Iterable] | None = None) -> dict:
+        """Standalone evaluation: EVAL_STANDALONE_START … EVAL_STANDALONE_END."""
+        loaders = _eval_loaders(eval_dataloader) if eval_dataloader is not None else self.eval_dataloaders
+        if not loaders:
+            raise ConfigError("eval() needs an eval_dataloader (here or in Trainer)")
+        ts = self.timestamp.as_tuple()
+        self.emitter.emit(E.EVAL_STANDALONE_START, ts)
+        results = {label: self._evaluate(label, loader) for label, loader in loaders.items()}
+        self.emitter.emit(E.EVAL_STANDALONE_END, ts, {"metrics": results})
+        self.emitter.flush()
+        return {label: {k: _scalar(v) for k, v in m.items()} for label, m in results.items()}
+
+    def predict(self, dataloader: Iterable, return_outputs: bool = True) -> list:
+        """Run the model over `dataloader`: PREDICT_START … PREDICT_END."""
+        ts, emit = self.timestamp.as_tuple(), self.emitter.emit
+        emit(E.PREDICT_START, ts)
+        self.model.eval()
+        outputs_all = []
+        with torch.no_grad():
+            for batch in dataloader:
+                batch = _to_device(batch, self.device)
+                emit(E.PREDICT_BATCH_START, ts)
+                emit(E.PREDICT_BEFORE_FORWARD, ts)
+                inputs = _pair(batch)[0] if self.loss_fn is not None and isinstance(batch, (tuple, list)) else batch
+                outputs = self.model(inputs)
+                emit(E.PREDICT_AFTER_FORWARD, ts)
+                emit(E.PREDICT_BATCH_END, ts, {"batch_size": _batch_size(batch)})
+                if return_outputs:
+                    outputs_all.append(outputs.detach().cpu() if isinstance(outputs, torch.Tensor) else outputs)
+        emit(E.PREDICT_END, ts)
+        self.emitter.flush()
+        return outputs_all
+
+    # ------------------------------------------------------------------- ending
+
+    def _finish_fit(self) -> None:
+        ts = self.timestamp
+        for request in self._pending_halts:
+            request.ack(step=ts.batch, epoch=ts.epoch)
+            self.stopped_by = {"reason": request.args.get("reason", ""), "client": request.client}
+        self._pending_halts = []
+        self.emitter.emit(E.FIT_END, ts.as_tuple(), {"stopped_by": self.stopped_by,
+                                                     "checkpoints": self.checkpoints})
+        self.emitter.flush()
+
+    def close(self) -> None:
+        """Let every callback worker see fit_end, close the stream, mark the run finished."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.workers.workers:
+            self.workers.wait_for_fit_end(self.worker_shutdown_timeout)
+        if self.control is not None:
+            for request in self.control.poll():
+                request.refuse("the run has finished", step=self.timestamp.batch)
+        if self.publisher is not None:
+            self.publisher.close(linger=0.3)
+        self.workers.stop()
+        if self.control is not None:
+            self.control.close()
+        if self.rank == 0 and self.publisher is not None:
+            try:
+                mark_finished(self.run_dir)
+            except Exception as exc:  # never fail a finished run over its run.json
+                log.warning("offloop: could not mark %s finished: %s", self.run_dir, exc)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _parse_duration(name: str, value: Any) -> Time:
+    try:
+        return Time.parse(value)
+    except DurationError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device {device!r} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r} is not supported: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} was asked for, but this machine has no CUDA device")
+    return resolved
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _eval_loaders(value: Any) -> dict[str, Iterable]:
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    return {"eval": value}
+
+
+def _metrics(value: Any, device: torch.device) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        items = dict(value)
+    elif isinstance(value, (list, tuple)):
+        items = {type(m).__name__: m for m in value}
+    elif hasattr(value, "items") and hasattr(value, "compute"):  # MetricCollection
+        items = dict(value.items())
+    else:
+        items = {type(value).__name__: value}
+    for name, metric in items.items():
+        if not (hasattr(metric, "update") and hasattr(metric, "compute")):
+            raise ConfigError(f"eval_metrics[{name!r}] is a {type(metric).__name__}, not a torchmetrics Metric")
+        metric.to(device)
+    return items
+
+
+def _len(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _pair(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    shape = f"a dict with keys {sorted(batch)}" if isinstance(batch, Mapping) else (
+        f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else type(batch).__name__)
+    raise TrainerError(f"with loss_fn= a batch must be an (input, target) pair; got {shape}")
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.ndim else 1
+    if isinstance(batch, (tuple, list)) and batch:
+        return _batch_size(batch[0])
+    if isinstance(batch, Mapping) and batch:
+        return _batch_size(next(iter(batch.values())))
+    raise TrainerError(f"cannot tell the batch size of a {type(batch).__name__} batch")
+
+
+def _split(batch: Any, n: int) -> list:
+    if n == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        return list(torch.chunk(batch, n))
+    if isinstance(batch, (tuple, list)):
+        parts = [_split(x, n) for x in batch]
+        return [type(batch)(p[i] for p in parts) if isinstance(batch, tuple) else [p[i] for p in parts]
+                for i in range(len(parts[0]))]
+    if isinstance(batch, Mapping):
+        parts = {k: _split(v, n) for k, v in batch.items()}
+        return [{k: v[i] for k, v in parts.items()} for i in range(len(next(iter(parts.values()))))]
+    raise TrainerError(f"grad_accum={n} cannot split a {type(batch).__name__} batch")
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(x, device) for x in batch)
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _cuda_memory(device: torch.device) -> dict[str, int]:
+    """Allocator counters, read on the host: no device synchronisation."""
+    return {
+        "allocated_bytes": torch.cuda.memory_allocated(device),
+        "reserved_bytes": torch.cuda.memory_reserved(device),
+        "max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+    }
+
+
+def _describe_optimizer(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    group = opt.param_groups[0] if opt.param_groups else {}
+    return {"name": type(opt).__name__,
+            **{k: v for k, v in group.items() if isinstance(v, (int, float, str, bool))}}
+
+
+def _scalar(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.ndim == 0:
+        return value.item()
+    return value
+
+
+def _install_sigterm(trainer: Trainer) -> None:
+    """SIGTERM: checkpoint (when asked for) and publish fit_end before exiting."""
+    if torch.multiprocessing.current_process().name != "MainProcess":
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except ValueError:
+        return
+
+    def handler(signum, frame):
+        if trainer._closed:
+            if callable(previous):
+                previous(signum, frame)
+            raise SystemExit(128 + signum)
+        trainer._sigterm = True
+        trainer._stop = True  # fit() ends after this batch, checkpoints, closes and exits
+        if not trainer._in_fit:
+            trainer.close()
+            raise SystemExit(128 + signum)
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        pass
