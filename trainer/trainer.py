@@ -72,7 +72,7 @@ class Trainer:
         optimizers: torch.optim.Optimizer | list | None = None,
         schedulers: Any = None,
         eval_dataloader: Iterable | Mapping[str, Iterable] | None = None,
-        eval_interval: str | int | Time = 1,
+        eval_interval: str | int | Time | Mapping[str, str | int | Time] = 1,
         eval_metrics: Any = None,
         loss_fn: Callable | None = None,
         callbacks: list | None = None,
@@ -105,10 +105,6 @@ class Trainer:
         self.max_duration = _parse_duration("max_duration", max_duration) if max_duration else None
         if self.max_duration is not None and self.max_duration.unit is TimeUnit.TOKEN and not num_tokens_fn:
             raise ConfigError("max_duration in tokens needs num_tokens_fn= to count tokens per batch")
-        self.eval_interval = _parse_duration(
-            "eval_interval", f"{eval_interval}ep" if isinstance(eval_interval, int) else eval_interval)
-        if self.eval_interval.unit not in (TimeUnit.EPOCH, TimeUnit.BATCH):
-            raise ConfigError(f"eval_interval {eval_interval!r} must be in epochs or batches")
         if not hasattr(model, "loss") and loss_fn is None:
             raise ConfigError(f"model {type(model).__name__} has no loss(outputs, batch) method and "
                               "no loss_fn= was given: one of them is needed to train")
@@ -126,6 +122,8 @@ class Trainer:
         self.schedulers = _as_list(schedulers)
         self.train_dataloader = train_dataloader
         self.eval_dataloaders = _eval_loaders(eval_dataloader)
+        self.eval_intervals = _eval_intervals(eval_interval, self.eval_dataloaders)
+        self._eval_every_batch = any(i.unit is TimeUnit.BATCH for i in self.eval_intervals.values())
         self.eval_metrics = _metrics(eval_metrics, self.device)
         self.timestamp = Timestamp()
         self.run_id = uuid.uuid4().hex[:12]
@@ -195,7 +193,7 @@ class Trainer:
             "num_params": sum(p.numel() for p in model.parameters()),
             "max_duration": str(self.max_duration) if self.max_duration else None,
             "dataloader_len": _len(self.train_dataloader),
-            "eval_interval": str(self.eval_interval),
+            "eval_interval": {k: str(v) for k, v in self.eval_intervals.items()},
             "eval_dataloaders": {k: _len(v) for k, v in self.eval_dataloaders.items()},
             "world_size": self.world_size,
             "device": str(self.device),
@@ -245,9 +243,7 @@ class Trainer:
             if not finished_early or ts.batch_in_epoch == _len(self.train_dataloader):
                 ts.next_epoch()
                 self.emitter.emit(E.EPOCH_END, ts.as_tuple())
-                if self.eval_interval.unit is TimeUnit.EPOCH and ts.epoch % self.eval_interval.value == 0:
-                    self._run_evaluators()
-                    self.model.train()
+                self._run_evaluators(TimeUnit.EPOCH)
                 self.emitter.emit(E.EPOCH_CHECKPOINT, ts.as_tuple())
                 if self.iteration_length and ts.epoch_in_iteration == self.iteration_length:
                     ts.next_iteration()
@@ -317,9 +313,8 @@ class Trainer:
         if wants(E.BATCH_END):
             emit(E.BATCH_END, now, self._batch_end_snapshot(total_loss, size))
         self._poll_control()
-        if self.eval_interval.unit is TimeUnit.BATCH and ts.batch % self.eval_interval.value == 0:
-            self._run_evaluators()
-            self.model.train()
+        if self._eval_every_batch:
+            self._run_evaluators(TimeUnit.BATCH)
         emit(E.BATCH_CHECKPOINT, now)
         self._save_requested("batch_checkpoint")
         if self.emitter.cuda:
@@ -377,7 +372,14 @@ class Trainer:
         sigterm_ckpt = int(self._sigterm and self.checkpoint_on_sigterm)
         halt, ckpts = self._agreement.agree(halt, len(self._pending_ckpts) + sigterm_ckpt)
         if halt:
-            self._stop = True
+            self._stop = True  # applied: no batch after this one trains, on any rank
+            for request in self._pending_halts:
+                request.ack(step=self.timestamp.batch, epoch=self.timestamp.epoch)
+                self.stopped_by = {"reason": request.args.get("reason", ""), "client": request.client,
+                                   "step": self.timestamp.batch}
+            self._pending_halts = []
+            if self._sigterm and self.stopped_by is None:
+                self.stopped_by = {"reason": "SIGTERM", "client": "signal", "step": self.timestamp.batch}
         self._ckpts_due = ckpts
 
     def _save_requested(self, where: str) -> None:
@@ -450,11 +452,19 @@ class Trainer:
 
     # --------------------------------------------------------------------- eval
 
-    def _run_evaluators(self) -> None:
+    def _run_evaluators(self, unit: TimeUnit) -> None:
+        """Evaluate every dataloader whose interval (in `unit`) is due, as Composer does:
+        EVAL_BEFORE_ALL, each evaluation, EVAL_AFTER_ALL — nothing when none is due."""
+        count = self.timestamp.epoch if unit is TimeUnit.EPOCH else self.timestamp.batch
+        due = [label for label, interval in self.eval_intervals.items()
+               if interval.unit is unit and count % interval.value == 0]
+        if not due:
+            return
         ts = self.timestamp.as_tuple()
         self.emitter.emit(E.EVAL_BEFORE_ALL, ts)
-        results = {label: self._evaluate(label, loader) for label, loader in self.eval_dataloaders.items()}
+        results = {label: self._evaluate(label, self.eval_dataloaders[label]) for label in due}
         self.emitter.emit(E.EVAL_AFTER_ALL, ts, {"metrics": results})
+        self.model.train()
 
     def _evaluate(self, label: str, loader: Iterable) -> dict[str, Any]:
         ts, emit = self.timestamp.as_tuple(), self.emitter.emit
@@ -538,10 +548,9 @@ class Trainer:
 
     def _finish_fit(self) -> None:
         ts = self.timestamp
-        for request in self._pending_halts:
-            request.ack(step=ts.batch, epoch=ts.epoch)
-            self.stopped_by = {"reason": request.args.get("reason", ""), "client": request.client}
-        self._pending_halts = []
+        for request in self._pending_halts + self._pending_ckpts:  # arrived with the last batch
+            request.refuse("the run finished before this request could be applied", step=ts.batch)
+        self._pending_halts, self._pending_ckpts = [], []
         self.emitter.emit(E.FIT_END, ts.as_tuple(), {"stopped_by": self.stopped_by,
                                                      "checkpoints": self.checkpoints})
         self.emitter.flush()
@@ -634,6 +643,24 @@ def _metrics(value: Any, device: torch.device) -> dict[str, Any]:
             raise ConfigError(f"eval_metrics[{name!r}] is a {type(metric).__name__}, not a torchmetrics Metric")
         metric.to(device)
     return items
+
+
+def _eval_intervals(value: Any, loaders: dict[str, Iterable]) -> dict[str, Time]:
+    """One interval per eval dataloader label, in epochs or batches (an int means epochs)."""
+    per_label = dict(value) if isinstance(value, Mapping) else {label: value for label in loaders}
+    unknown = sorted(set(per_label) - set(loaders))
+    if unknown:
+        raise ConfigError(f"eval_interval names {unknown}, which are not eval_dataloader labels "
+                          f"({sorted(loaders)})")
+    out = {}
+    for label in loaders:
+        raw = per_label.get(label, 1)
+        interval = _parse_duration(f"eval_interval[{label!r}]", f"{raw}ep" if isinstance(raw, int) else raw)
+        if interval.unit not in (TimeUnit.EPOCH, TimeUnit.BATCH) or interval.value < 1:
+            raise ConfigError(f"eval_interval {raw!r} for {label!r} must be a positive number of "
+                              "epochs or batches ('1ep', '100ba')")
+        out[label] = interval
+    return out
 
 
 def _len(loader: Any) -> int | None:

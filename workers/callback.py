@@ -1,0 +1,194 @@
+"""`Callback`: Composer's callback contract, run in a worker process.
+
+One method per event, named by the event's value, and `run_event()`, which
+dispatches to them; overriding `run_event` replaces that dispatch (as in Composer).
+A callback changes the run only by asking: `self.halt(reason)` and
+`self.request_checkpoint(tag)` go over the control channel and return the ack.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from bus import RUN_TOPICS, Event
+
+if TYPE_CHECKING:
+    from bus.control import Ack
+    from workers.logger import Logger
+    from workers.state import State
+
+__all__ = ["Callback", "NotAttachedError"]
+
+
+class NotAttachedError(RuntimeError):
+    """halt() or request_checkpoint() outside a worker connected to a run."""
+
+
+class Callback:
+    """Base class for offloop callbacks; see the module docstring."""
+
+    _control: Any = None  # set by the worker runtime (a ControlClient, or a replay recorder)
+    control_timeout: float = 60.0
+
+    def run_event(self, event: Event, state: State, logger: Logger) -> None:
+        """Called by the worker on each event; dispatches to the method named by the event
+        (also for `checkpoint_saved`, the trainer's announcement of a written checkpoint)."""
+        method = getattr(self, getattr(event, "value", event), None)
+        if method is not None:
+            method(state, logger)
+
+    def init(self, state: State, logger: Logger) -> None:
+        """Called on Event.INIT."""
+
+    def before_load(self, state: State, logger: Logger) -> None:
+        """Called on Event.BEFORE_LOAD."""
+
+    def after_load(self, state: State, logger: Logger) -> None:
+        """Called on Event.AFTER_LOAD."""
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        """Called on Event.FIT_START."""
+
+    def iteration_start(self, state: State, logger: Logger) -> None:
+        """Called on Event.ITERATION_START."""
+
+    def epoch_start(self, state: State, logger: Logger) -> None:
+        """Called on Event.EPOCH_START."""
+
+    def before_dataloader(self, state: State, logger: Logger) -> None:
+        """Called on Event.BEFORE_DATALOADER."""
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        """Called on Event.AFTER_DATALOADER."""
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        """Called on Event.BATCH_START."""
+
+    def before_train_batch(self, state: State, logger: Logger) -> None:
+        """Called on Event.BEFORE_TRAIN_BATCH."""
+
+    def before_forward(self, state: State, logger: Logger) -> None:
+        """Called on Event.BEFORE_FORWARD."""
+
+    def after_forward(self, state: State, logger: Logger) -> None:
+        """Called on Event.AFTER_FORWARD."""
+
+    def before_loss(self, state: State, logger: Logger) -> None:
+        """Called on Event.BEFORE_LOSS."""
+
+    def after_loss(self, state: State, logger: Logger) -> None:
+        """Called on Event.AFTER_LOSS."""
+
+    def before_backward(self, state: State, logger: Logger) -> None:
+        """Called on Event.BEFORE_BACKWARD."""
+
+    def after_backward(self, state: State, logger: Logger) -> None:
+        """Called on Event.AFTER_BACKWARD."""
+
+    def after_train_batch(self, state: State, logger: Logger) -> None:
+        """Called on Event.AFTER_TRAIN_BATCH."""
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        """Called on Event.BATCH_END."""
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        """Called on Event.BATCH_CHECKPOINT."""
+
+    def epoch_end(self, state: State, logger: Logger) -> None:
+        """Called on Event.EPOCH_END."""
+
+    def epoch_checkpoint(self, state: State, logger: Logger) -> None:
+        """Called on Event.EPOCH_CHECKPOINT."""
+
+    def iteration_end(self, state: State, logger: Logger) -> None:
+        """Called on Event.ITERATION_END."""
+
+    def iteration_checkpoint(self, state: State, logger: Logger) -> None:
+        """Called on Event.ITERATION_CHECKPOINT."""
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        """Called on Event.FIT_END."""
+
+    def eval_before_all(self, state: State, logger: Logger) -> None:
+        """Called on Event.EVAL_BEFORE_ALL."""
+
+    def eval_start(self, state: State, logger: Logger) -> None:
+        """Called on Event.EVAL_START."""
+
+    def eval_batch_start(self, state: State, logger: Logger) -> None:
+        """Called on Event.EVAL_BATCH_START."""
+
+    def eval_before_forward(self, state: State, logger: Logger) -> None:
+        """Called on Event.EVAL_BEFORE_FORWARD."""
+
+    def eval_after_forward(self, state: State, logger: Logger) -> None:
+        """Called on Event.EVAL_AFTER_FORWARD."""
+
+    def eval_batch_end(self, state: State, logger: Logger) -> None:
+        """Called on Event.EVAL_BATCH_END."""
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        """Called on Event.EVAL_END."""
+
+    def eval_after_all(self, state: State, logger: Logger) -> None:
+        """Called on Event.EVAL_AFTER_ALL."""
+
+    def eval_standalone_start(self, state: State, logger: Logger) -> None:
+        """Called on Event.EVAL_STANDALONE_START."""
+
+    def eval_standalone_end(self, state: State, logger: Logger) -> None:
+        """Called on Event.EVAL_STANDALONE_END."""
+
+    def predict_start(self, state: State, logger: Logger) -> None:
+        """Called on Event.PREDICT_START."""
+
+    def predict_batch_start(self, state: State, logger: Logger) -> None:
+        """Called on Event.PREDICT_BATCH_START."""
+
+    def predict_before_forward(self, state: State, logger: Logger) -> None:
+        """Called on Event.PREDICT_BEFORE_FORWARD."""
+
+    def predict_after_forward(self, state: State, logger: Logger) -> None:
+        """Called on Event.PREDICT_AFTER_FORWARD."""
+
+    def predict_batch_end(self, state: State, logger: Logger) -> None:
+        """Called on Event.PREDICT_BATCH_END."""
+
+    def predict_end(self, state: State, logger: Logger) -> None:
+        """Called on Event.PREDICT_END."""
+
+    def close(self, state: State, logger: Logger) -> None:
+        """Called when the worker stops (after fit_end, or when the trainer fell silent)."""
+
+    def post_close(self) -> None:
+        """Called after close() has been invoked for every callback."""
+
+    # ------------------------------------------------------------- asking
+
+    def halt(self, reason: str = "") -> Ack:
+        """Ask the trainer to stop after its current batch; returns the ack (with `step`)."""
+        return self._ask("halt", {"reason": reason or type(self).__name__})
+
+    def request_checkpoint(self, tag: str = "") -> Ack:
+        """Ask the trainer for a checkpoint; returns the ack (with `path` and `step`)."""
+        return self._ask("checkpoint", {"tag": tag})
+
+    def _ask(self, op: str, args: dict[str, Any]) -> Ack:
+        if self._control is None:
+            raise NotAttachedError(
+                f"{type(self).__name__}.{'halt' if op == 'halt' else 'request_checkpoint'}() "
+                "needs a worker connected to a run (offloop worker, or Trainer(callbacks=[...]))"
+            )
+        return self._control.request(op, args, timeout=self.control_timeout)
+
+    # ------------------------------------------------------------ subscribing
+
+    @classmethod
+    def wanted_topics(cls) -> frozenset[str] | None:
+        """The topics this callback handles; None means every one (run_event overridden)."""
+        if cls.run_event is not Callback.run_event:
+            return None
+        return frozenset(
+            name for name in RUN_TOPICS
+            if getattr(cls, name, None) is not getattr(Callback, name, None)
+        )

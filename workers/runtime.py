@@ -1,0 +1,234 @@
+"""The worker runtime: subscribe to a run, feed each event to callbacks in order, close.
+
+Promise: callbacks run sequentially in the order given (as pytorch-accelerated's
+CallbackHandler does); one callback's exception is logged with the event and the
+traceback and (by default) disables that callback only; the worker joins a run
+already under way from its late-join state; on `fit_end`, or when the trainer falls
+silent, it runs close()/post_close() and exits with a clear message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bus import (
+    ControlClient,
+    Event,
+    PublisherSilent,
+    RunInfo,
+    Subscriber,
+    find_run,
+)
+from workers.callback import Callback
+from workers.logger import Logger, LoggerDestination
+from workers.state import State
+
+__all__ = ["Worker", "WorkerStats", "serve_trainer_callback", "StopTrainingError"]
+
+log = logging.getLogger("offloop.worker")
+
+
+class StopTrainingError(Exception):
+    """Raised by a callback to stop training (pytorch-accelerated's semantics): the worker
+    turns it into a halt request."""
+
+
+@dataclass
+class WorkerStats:
+    events: int = 0
+    gaps: int = 0
+    errors: int = 0
+    seconds: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"events": self.events, "gaps": self.gaps, "errors": self.errors,
+                "seconds": {k: dict(v) for k, v in self.seconds.items()}}
+
+
+class Worker:
+    """Runs callbacks against one run; `run()` returns an exit code."""
+
+    def __init__(
+        self,
+        run: RunInfo | str,
+        callbacks: list,
+        *,
+        runs_root: str | None = None,
+        destinations: list[LoggerDestination] | None = None,
+        disable_on_error: bool = True,
+        exit_on_fit_end: bool = True,
+        heartbeat_timeout: float = 10.0,
+        join_timeout: float = 10.0,
+        name: str | None = None,
+    ) -> None:
+        self.info = run if isinstance(run, RunInfo) else find_run(run, runs_root)
+        self.callbacks = list(callbacks)
+        self.disable_on_error = disable_on_error
+        self.exit_on_fit_end = exit_on_fit_end
+        self.heartbeat_timeout, self.join_timeout = heartbeat_timeout, join_timeout
+        self.name = name or "+".join(type(c).__name__ for c in self.callbacks) or "worker"
+        self.state = State()
+        self.logger = Logger(self.state, destinations)
+        self.stats = WorkerStats()
+        self.disabled: set[int] = set()
+        self.exit_message = ""
+        self._control: ControlClient | None = None
+        self._sub: Subscriber | None = None
+        self._closed = False
+
+    def topics(self) -> frozenset[str] | None:
+        wanted: set[str] = {"init", "fit_start", "fit_end", "eval_end", "batch_end"}  # keep State current
+        for callback in self.callbacks:
+            topics = _wanted(callback)
+            if topics is None:
+                return None
+            wanted |= topics
+        return frozenset(wanted)
+
+    def connect(self) -> None:
+        endpoints = self.info.endpoints
+        if "control" in endpoints:
+            self._control = ControlClient(endpoints["control"],
+                                          client_id=f"{self.name}-{os.getpid()}")
+        for callback in self.callbacks:
+            callback._control = self._control
+        self._sub = Subscriber(endpoints["events"], endpoints.get("state"), topics=self.topics(),
+                               heartbeat_timeout=self.heartbeat_timeout)
+        joined = self._sub.connect(join_timeout=self.join_timeout)
+        if joined is not None:
+            self.state._apply_config(joined.config)
+            for entry in sorted(joined.entries, key=lambda m: m.seq):
+                self.state._update(entry)
+
+    def run(self, on_fit_end: Callable[[dict], None] | None = None) -> int:
+        """Dispatch events until the run ends; returns 0, or 3 if the trainer fell silent."""
+        if self._sub is None:
+            self.connect()
+        code = 0
+        try:
+            while True:
+                msg = self._sub.recv(timeout=1.0)
+                if msg is None:
+                    if self._sub.finished:
+                        self.exit_message = f"run {self.info.run_name} closed its stream"
+                        break
+                    continue
+                if msg.from_state:
+                    self.state._update(msg)
+                    continue
+                event = self.dispatch(msg)
+                if event is Event.FIT_END:
+                    if on_fit_end is not None:
+                        on_fit_end(self.stats.as_dict())
+                    if self.exit_on_fit_end:
+                        self.exit_message = f"run {self.info.run_name} reached fit_end"
+                        break
+        except PublisherSilent as exc:
+            self.exit_message = f"trainer of run {self.info.run_name} fell silent: {exc}"
+            code = 3
+        except KeyboardInterrupt:
+            self.exit_message = "interrupted"
+            code = 130
+        finally:
+            self.close()
+        return code
+
+    def dispatch(self, msg) -> Event | str:
+        """Fold one message into the State and run every enabled callback on it, in order."""
+        event = self.state._update(msg) or msg.topic
+        self.stats.events += 1
+        self.stats.gaps = self._sub.stats.gaps if self._sub is not None else self.stats.gaps
+        self.state._set(gaps=self.stats.gaps)
+        for index, callback in enumerate(self.callbacks):
+            if index in self.disabled:
+                continue
+            wanted = _wanted(callback)
+            if wanted is not None and msg.topic not in wanted:
+                continue
+            start = time.perf_counter()
+            try:
+                callback.run_event(event, self.state, self.logger)
+            except StopTrainingError as stop:
+                self._stop_training(callback, stop)
+            except Exception:
+                self._failed(index, callback, msg.topic)
+            finally:
+                spent = self.stats.seconds[type(callback).__name__]
+                spent[msg.topic] = spent.get(msg.topic, 0.0) + time.perf_counter() - start
+        return event
+
+    def _stop_training(self, callback, stop: StopTrainingError) -> None:
+        hook = getattr(callback, "on_stop_training_error", None)
+        if hook is not None:
+            try:
+                hook(callback._trainer_view(self.state) if hasattr(callback, "_trainer_view") else self.state)
+            except Exception:
+                log.exception("offloop: %s.on_stop_training_error failed", type(callback).__name__)
+        try:
+            callback.halt(str(stop) or type(callback).__name__)
+        except Exception as exc:
+            print(f"offloop worker: {type(callback).__name__} could not halt the run: {exc}",
+                  file=sys.stderr, flush=True)
+
+    def _failed(self, index: int, callback, topic: str) -> None:
+        self.stats.errors += 1
+        name = type(callback).__name__
+        action = "disabled" if self.disable_on_error else "kept"
+        print(f"offloop worker: callback {name} raised on event {topic} ({action}; the others go on)\n"
+              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if self.disable_on_error:
+            self.disabled.add(index)
+
+    def close(self) -> None:
+        """close() on every callback, then post_close() on every callback; then flush."""
+        if self._closed:
+            return
+        self._closed = True
+        for index, callback in enumerate(self.callbacks):
+            if index in self.disabled:
+                continue
+            try:
+                callback.close(self.state, self.logger)
+            except Exception:
+                self._failed(index, callback, "close")
+        for callback in self.callbacks:
+            try:
+                callback.post_close()
+            except Exception:
+                print(f"offloop worker: {type(callback).__name__}.post_close raised\n"
+                      f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        self.logger.close()
+        if self._sub is not None:
+            self.stats.gaps = self._sub.stats.gaps
+            self._sub.close()
+        if self._control is not None:
+            self._control.close()
+
+
+def _wanted(callback) -> frozenset[str] | None:
+    wanted = getattr(type(callback), "wanted_topics", None)
+    return wanted() if wanted is not None else Callback.wanted_topics.__func__(type(callback))
+
+
+def serve_trainer_callback(callback, run_dir: str, conn) -> None:
+    """Entry point of a worker process the Trainer spawned for one of its callbacks."""
+    worker = Worker(run_dir, [callback], exit_on_fit_end=False, heartbeat_timeout=30.0)
+    try:
+        worker.connect()
+    except Exception as exc:
+        conn.send(("error", f"could not join the run: {exc}"))
+        raise SystemExit(2) from None
+    conn.send(("ready", None))
+    code = worker.run(on_fit_end=lambda stats: conn.send(("fit_end", stats)))
+    if worker.exit_message and code:
+        print(f"offloop worker {worker.name}: {worker.exit_message}", file=sys.stderr, flush=True)
+    conn.close()
+    raise SystemExit(code)

@@ -1,0 +1,144 @@
+"""`State`: a read-only view of the run, built from the snapshots a worker receives.
+
+Names follow Composer's State where they exist (`state.timestamp.epoch`,
+`state.max_duration`, `state.run_name`, `state.loss`, `state.eval_metrics`, …), so
+callbacks written for Composer read it unchanged. Assigning to it raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from bus import Event, Message, Time
+from bus.duration import DurationError
+from bus.wire import TensorFrame
+
+__all__ = ["State", "Timestamp", "ReadOnlyStateError"]
+
+
+class ReadOnlyStateError(AttributeError):
+    """A callback tried to change the State."""
+
+
+@dataclass(frozen=True)
+class Timestamp:
+    """The five counters every event carries; ints, so f'{state.timestamp.epoch}' prints 3."""
+
+    epoch: int = 0
+    batch: int = 0
+    batch_in_epoch: int = 0
+    sample: int = 0
+    token: int = 0
+
+    def get(self, unit) -> int:
+        """The counter for a TimeUnit ('ep', 'ba', 'sp', 'tok')."""
+        return getattr(self, unit.counter)
+
+
+_READ_ONLY = ("State is read-only: workers observe the run. To change it, ask the trainer "
+              "with self.halt(reason) or self.request_checkpoint(tag) from your callback.")
+
+
+def _plain(value: Any) -> Any:
+    """Wire values as callbacks want them: 0-d tensors as numbers, others as torch tensors."""
+    if isinstance(value, TensorFrame):
+        if value.shape == ():
+            return value.to_torch().item()
+        return value.to_torch()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+class State:
+    """See the module docstring. Updated only by the worker runtime, between events."""
+
+    def __init__(self) -> None:
+        values = {
+            "event": None, "timestamp": Timestamp(), "run_name": "", "run_id": "",
+            "max_duration": None, "config": MappingProxyType({}), "loss": None, "lr": (),
+            "batch_size": None, "grad_norm": None, "param_grad_norms": MappingProxyType({}),
+            "memory": MappingProxyType({}), "eval_metrics": MappingProxyType({}),
+            "dataloader_label": None, "outputs": None, "targets": None, "data": MappingProxyType({}),
+            "rank": 0, "wall_time": 0.0, "dataloader_len": None, "world_size": 1,
+            "last_checkpoint": None, "stopped_by": None, "gaps": 0,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_metrics", {})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise ReadOnlyStateError(f"cannot set state.{name}: {_READ_ONLY}")
+
+    def __delattr__(self, name: str) -> None:
+        raise ReadOnlyStateError(f"cannot delete state.{name}: {_READ_ONLY}")
+
+    def _set(self, **values: Any) -> None:
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    # ------------------------------------------------------------ updates
+
+    def _apply_config(self, config: dict[str, Any]) -> None:
+        try:
+            max_duration = Time.parse(config["max_duration"]) if config.get("max_duration") else None
+        except DurationError:
+            max_duration = None
+        self._set(config=MappingProxyType(dict(config)), run_name=config.get("run_name", self.run_name),
+                  run_id=config.get("run_id", self.run_id), max_duration=max_duration,
+                  dataloader_len=config.get("dataloader_len"),
+                  world_size=config.get("world_size", 1))
+
+    def _update(self, msg: Message) -> Event | None:
+        """Fold one message into the view; returns its Event (None for other topics)."""
+        data = _plain(msg.data)
+        try:
+            event = Event(msg.topic)
+        except ValueError:
+            event = None
+        self._set(event=event, timestamp=Timestamp(*msg.ts), rank=msg.rank, wall_time=msg.t,
+                  data=MappingProxyType(data))
+        if "config" in data and isinstance(data["config"], dict):
+            self._apply_config(data["config"])
+        handler = _UPDATES.get(msg.topic)
+        if handler is not None:
+            handler(self, data)
+        return event
+
+    def _batch_end(self, data: dict) -> None:
+        self._set(loss=data.get("loss"), lr=tuple(data.get("lr") or ()),
+                  batch_size=data.get("batch_size"),
+                  memory=MappingProxyType(data.get("memory") or {}))
+
+    def _after_train_batch(self, data: dict) -> None:
+        self._set(grad_norm=data.get("grad_norm"),
+                  param_grad_norms=MappingProxyType(data.get("param_grad_norms") or {}))
+
+    def _eval_end(self, data: dict) -> None:
+        label = data.get("dataloader_label", "eval")
+        self._metrics[label] = MappingProxyType(dict(data.get("metrics") or {}))
+        self._set(eval_metrics=MappingProxyType(dict(self._metrics)), dataloader_label=label)
+
+    def _eval_batch_end(self, data: dict) -> None:
+        self._set(outputs=data.get("outputs"), targets=data.get("targets"),
+                  dataloader_label=data.get("dataloader_label"))
+
+    def __repr__(self) -> str:
+        return (f"State(run_name={self.run_name!r}, event={self.event}, timestamp={self.timestamp}, "
+                f"loss={self.loss})")
+
+
+_UPDATES = {
+    "batch_end": State._batch_end,
+    "after_loss": lambda s, d: s._set(loss=d.get("loss")),
+    "after_train_batch": State._after_train_batch,
+    "eval_start": lambda s, d: s._set(dataloader_label=d.get("dataloader_label")),
+    "eval_end": State._eval_end,
+    "eval_batch_end": State._eval_batch_end,
+    "checkpoint_saved": lambda s, d: s._set(last_checkpoint=d.get("path")),
+    "fit_end": lambda s, d: s._set(stopped_by=d.get("stopped_by")),
+}
