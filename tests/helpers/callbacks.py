@@ -1,0 +1,43 @@
+"""Callbacks the tests hand to Trainer(callbacks=[...]); importable by spawned workers."""
+
+from __future__ import annotations
+
+import json
+
+from workers import Callback
+
+
+class Recorder(Callback):
+    """Writes every event it saw (topic and the five counters) to a JSON file on close."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.seen: list = []
+
+    def run_event(self, event, state, logger) -> None:
+        self.seen.append([str(event), list(state.timestamp.__dict__.values())])
+
+    def close(self, state, logger) -> None:
+        with open(self.path, "w") as out:
+            json.dump(self.seen, out)
+
+
+class Crasher(Callback):
+    """Raises on every batch_end."""
+
+    def batch_end(self, state, logger) -> None:
+        raise RuntimeError("this callback always fails")
+
+
+class BatchCounter(Callback):
+    """Counts batch_end events and writes the count on close."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.count = path, 0
+
+    def batch_end(self, state, logger) -> None:
+        self.count += 1
+
+    def close(self, state, logger) -> None:
+        with open(self.path, "w") as out:
+            json.dump({"batch_end": self.count}, out)

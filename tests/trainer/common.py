@@ -1,0 +1,44 @@
+"""Small models and data shared by the trainer tests (no downloads, fixed seeds)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3))
+
+
+def data(n: int = 64, seed: int = 1) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=gen)
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
+def loader(n: int = 64, batch_size: int = 8, shuffle: bool = True, dataset=None) -> DataLoader:
+    return DataLoader(dataset or data(n), batch_size=batch_size, shuffle=shuffle)
+
+
+class GatedDataset(Dataset):
+    """Blocks the `gate_at`-th item fetch until `release` is set: a deterministic point
+    in training at which a test can line up control requests."""
+
+    def __init__(self, base: Dataset, gate_at: int) -> None:
+        self.base, self.gate_at, self.fetches = base, gate_at, 0
+        self.reached, self.release = threading.Event(), threading.Event()
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index):
+        self.fetches += 1
+        if self.fetches == self.gate_at:
+            self.reached.set()
+            if not self.release.wait(timeout=30):
+                raise TimeoutError("gate never released")
+        return self.base[index]

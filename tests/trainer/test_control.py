@@ -1,0 +1,136 @@
+"""Halt and checkpoint requests over the control channel; exact resume from a checkpoint."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from common import GatedDataset, data, loader, mlp
+
+from bus import ControlClient, Subscriber
+from trainer import Trainer
+
+F = torch.nn.functional
+
+
+def ask(endpoint: str, op: str, args: dict, out: dict) -> threading.Thread:
+    """Send a request from another thread (request() waits for its ack)."""
+
+    def run():
+        with ControlClient(endpoint) as client:
+            out[op] = client.request(op, args, timeout=30)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def gated_run(tmp_path: Path, gate_at: int, requests: list[tuple[str, dict]], **kw):
+    """Train 3 epochs of 8 batches; the requests arrive while batch (gate_at-1)//8+1 loads."""
+    dataset = GatedDataset(data(64), gate_at)
+    trainer = Trainer(mlp(), loader(dataset=dataset, batch_size=8), "3ep", loss_fn=F.cross_entropy,
+                      seed=7, run_dir=tmp_path / "run", **kw)
+    endpoints = trainer.publisher.endpoints
+    sub = Subscriber(endpoints["events"], endpoints["state"])
+    sub.connect()
+    acks: dict = {}
+
+    def line_up():
+        assert dataset.reached.wait(30)
+        threads = [ask(trainer.control.endpoint, op, args, acks) for op, args in requests]
+        deadline = time.monotonic() + 10
+        while trainer.control.stats.received < len(requests) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        dataset.release.set()
+        for thread in threads:
+            thread.join(30)
+
+    helper = threading.Thread(target=line_up, daemon=True)
+    helper.start()
+    trainer.fit()
+    helper.join(30)
+    topics = []
+    while (msg := sub.recv(timeout=0.5)) is not None:
+        if not msg.from_state:
+            topics.append((msg.topic, msg.ts, msg.data))
+    sub.close()
+    trainer.close()
+    return trainer, acks, topics
+
+
+def test_halt_stops_after_the_current_batch_and_closes_the_run(tmp_path):
+    # item 20 of the shuffled epoch belongs to the third batch (items 17..24)
+    trainer, acks, events = gated_run(tmp_path, 20, [("halt", {"reason": "test"})])
+    assert acks["halt"].ok and acks["halt"].result["step"] == 3
+    assert trainer.timestamp.batch == 3 and trainer.stopped_by["reason"] == "test"
+    after = [topic for topic, ts, _ in events if ts[1] == 3]
+    tail = after[after.index("batch_end"):]
+    # Composer's stop_training: the batch finishes, its checkpoint event fires, then fit_end
+    assert tail == ["batch_end", "batch_checkpoint", "fit_end"]
+    assert events[-1][2]["stopped_by"]["reason"] == "test"
+
+
+def test_checkpoint_is_written_atomically_acked_and_announced(tmp_path):
+    trainer, acks, events = gated_run(tmp_path, 20, [("checkpoint", {"tag": "mid"})])
+    ack = acks["checkpoint"]
+    assert ack.ok and ack.result["step"] == 3
+    path = Path(ack.result["path"])
+    assert path.exists() and path.name == "ep0-ba3-mid.pt"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+    saved = [(ts, d) for topic, ts, d in events if topic == "checkpoint_saved"]
+    assert len(saved) == 1 and saved[0][1]["path"] == str(path) and saved[0][0][1] == 3
+    order = [t for t, ts, _ in events if ts[1] == 3]
+    assert order.index("batch_checkpoint") < order.index("checkpoint_saved")
+    assert trainer.timestamp.batch == 24  # training went on
+
+
+def test_unwritable_checkpoint_folder_fails_cleanly_and_training_goes_on(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the checkpoint folder should be")
+    trainer, acks, _ = gated_run(tmp_path, 20, [("checkpoint", {})], save_folder=blocker / "ckpt")
+    assert not acks["checkpoint"].ok and "cannot write" in acks["checkpoint"].error
+    assert trainer.timestamp.batch == 24
+    assert blocker.read_text().startswith("a file")
+
+
+def final_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_halted_run_resumed_from_its_checkpoint_matches_an_uninterrupted_run_bit_for_bit(tmp_path):
+    reference = Trainer(mlp(), loader(dataset=data(64), batch_size=8), "3ep", loss_fn=F.cross_entropy,
+                        seed=7, run_dir=tmp_path / "ref", publish=False)
+    reference.fit()
+    want = final_weights(reference)
+
+    # stop in the middle of epoch 2 (item 75 is in batch 10 = epoch 1, batch 2 of 8)
+    halted, acks, _ = gated_run(tmp_path / "b", 75, [("checkpoint", {"tag": "resume"}), ("halt", {})])
+    assert acks["halt"].result["step"] == 10 and acks["checkpoint"].result["step"] == 10
+    assert halted.timestamp.batch_in_epoch == 2
+    assert not any(torch.equal(want[k], v) for k, v in final_weights(halted).items() if v.ndim)
+
+    resumed = Trainer(mlp(), loader(dataset=data(64), batch_size=8), "3ep", loss_fn=F.cross_entropy,
+                      seed=7, run_dir=tmp_path / "resumed", load_path=acks["checkpoint"].result["path"],
+                      publish=False)
+    assert resumed.timestamp.batch == 10
+    resumed.fit()
+    assert resumed.timestamp.batch == 24
+    got = final_weights(resumed)
+    assert all(torch.equal(want[k], got[k]) for k in want), "resumed weights differ from uninterrupted"
+
+
+@pytest.mark.parametrize("op", ["halt", "checkpoint"])
+def test_requests_after_the_run_finished_are_refused(tmp_path, op):
+    trainer = Trainer(mlp(), loader(16, 8), "1ep", loss_fn=F.cross_entropy, run_dir=tmp_path / "run")
+    trainer.fit()
+    out: dict = {}
+    thread = ask(trainer.control.endpoint, op, {}, out)
+    deadline = time.monotonic() + 10
+    while trainer.control.stats.received < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    trainer.close()
+    thread.join(10)
+    assert not out[op].ok and "finished" in out[op].error

@@ -1,0 +1,43 @@
+"""On CUDA, publishing adds no host-device synchronisation (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from common import mlp
+
+from bus import Subscriber
+from trainer import Trainer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_training_with_every_event_published_never_syncs(tmp_path):
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(32, 8, generator=gen).to(device), torch.randint(0, 3, (32,), generator=gen).to(device))
+               for _ in range(20)]
+    trainer = Trainer(mlp().to(device), batches, "20ba", loss_fn=torch.nn.functional.cross_entropy,
+                      optimizers=None, device="cuda", run_dir=tmp_path / "run",
+                      per_param_grad_norms=True)
+    endpoints = trainer.publisher.endpoints
+    sub = Subscriber(endpoints["events"], endpoints["state"])  # wants every event
+    sub.connect()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        trainer.fit()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    losses, norms = [], []
+    while (msg := sub.recv(timeout=1)) is not None:
+        if msg.topic == "batch_end" and not msg.from_state:
+            losses.append(msg.data["loss"])
+            assert msg.data["memory"]["allocated_bytes"] > 0
+        if msg.topic == "after_train_batch":
+            norms.append(msg.data["grad_norm"])
+    sub.close()
+    trainer.close()
+    assert len(losses) == 20 and all(isinstance(v, float) for v in losses)
+    assert len(norms) == 20 and all(v > 0 for v in norms)
+    assert sub.stats.gaps == 0

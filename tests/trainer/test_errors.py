@@ -1,0 +1,84 @@
+"""Bad input to the Trainer: one clear error naming the problem, before training where knowable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from common import loader, mlp
+from torch import nn
+
+from trainer import CheckpointError, ConfigError, Trainer, TrainerError
+
+F = torch.nn.functional
+
+
+def make(**kw):
+    args = {"model": mlp(), "train_dataloader": loader(16, 8), "max_duration": "1ep",
+            "loss_fn": F.cross_entropy, "publish": False}
+    args.update(kw)
+    return Trainer(**args)
+
+
+@pytest.mark.parametrize("duration", ["3 epochs", "ep", "1.5ep", "-1ba", "10min"])
+def test_bad_duration_string_names_the_value_and_what_is_valid(duration, tmp_path):
+    with pytest.raises(ConfigError, match=rf"max_duration: bad duration string '{duration}'.*'500ba'"):
+        make(max_duration=duration, run_dir=tmp_path)
+
+
+def test_bad_eval_interval_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="eval_interval"):
+        make(eval_dataloader=loader(8, 8), eval_interval="100sp", run_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"names \['nope'\]"):
+        make(eval_dataloader=loader(8, 8), eval_interval={"nope": "1ep"}, run_dir=tmp_path)
+
+
+def test_model_with_no_loss_is_refused_before_training(tmp_path):
+    with pytest.raises(ConfigError, match="Sequential has no loss.*loss_fn="):
+        make(loss_fn=None, run_dir=tmp_path)
+
+
+def test_batch_of_the_wrong_form_is_named_and_nothing_is_trained(tmp_path):
+    model = mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = [{"x": torch.randn(4, 8), "y": torch.zeros(4, dtype=torch.long)}]
+    trainer = make(model=model, train_dataloader=batches, run_dir=tmp_path)
+    with pytest.raises(TrainerError, match=r"\(input, target\) pair; got a dict with keys \['x', 'y'\]"):
+        trainer.fit()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_missing_load_path_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="load_path .*missing.pt' does not exist"):
+        make(load_path=tmp_path / "missing.pt", run_dir=tmp_path)
+
+
+def test_unknown_device_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="device 'tpu' is not a device"):
+        make(device="tpu", run_dir=tmp_path)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            make(device="cuda", run_dir=tmp_path)
+
+
+def test_bad_precision_and_grad_accum(tmp_path):
+    with pytest.raises(ConfigError, match="precision 'fp8' is not one of fp32, amp_fp16, amp_bf16"):
+        make(precision="fp8", run_dir=tmp_path)
+    with pytest.raises(ConfigError, match="grad_accum must be an int >= 1, got 0"):
+        make(grad_accum=0, run_dir=tmp_path)
+
+
+def test_composer_protocol_model_trains_without_loss_fn(tmp_path):
+    class Composerish(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, batch):
+            return self.net(batch[0])
+
+        def loss(self, outputs, batch):
+            return F.cross_entropy(outputs, batch[1])
+
+    trainer = make(model=Composerish(), loss_fn=None, run_dir=tmp_path)
+    trainer.fit()
+    assert trainer.timestamp.batch == 2

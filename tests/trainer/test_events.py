@@ -1,0 +1,83 @@
+"""Composer's event order, seen by a callback in a worker process from init to fit_end."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torchmetrics
+from common import loader, mlp
+from helpers.callbacks import BatchCounter, Crasher, Recorder
+
+from trainer import Trainer
+
+MICRO = ["before_forward", "after_forward", "before_loss", "after_loss", "before_backward",
+         "after_backward"]
+
+
+def eval_block(batches: int) -> list[str]:
+    per_batch = ["eval_batch_start", "eval_before_forward", "eval_after_forward", "eval_batch_end"]
+    return ["eval_before_all", "eval_start", *per_batch * batches, "eval_end", "eval_after_all"]
+
+
+def expected(epochs: int, batches: int, accum: int, batch_eval_every: int, eval_batches: int):
+    """Composer's pseudocode, written out: what the trainer must fire, in order."""
+    seq = ["init", "fit_start", "iteration_start"]
+    done = 0
+    for _ in range(epochs):
+        seq.append("epoch_start")
+        for _ in range(batches):
+            seq += ["before_dataloader", "after_dataloader", "batch_start", "before_train_batch"]
+            seq += MICRO * accum
+            seq += ["after_train_batch", "batch_end"]
+            done += 1
+            if done % batch_eval_every == 0:
+                seq += eval_block(eval_batches)
+            seq.append("batch_checkpoint")
+        seq += ["before_dataloader", "epoch_end", *eval_block(eval_batches), "epoch_checkpoint"]
+    return seq + ["fit_end"]
+
+
+def test_exact_event_sequence_with_grad_accum_and_batch_and_epoch_eval(tmp_path):
+    record = tmp_path / "events.json"
+    trainer = Trainer(
+        mlp(), loader(32, 8), "2ep", loss_fn=torch.nn.functional.cross_entropy, grad_accum=2,
+        eval_dataloader={"val": loader(16, 8, shuffle=False), "test": loader(8, 8, shuffle=False)},
+        eval_interval={"val": "3ba", "test": "1ep"},
+        eval_metrics=torchmetrics.classification.MulticlassAccuracy(num_classes=3),
+        callbacks=[Recorder(str(record))], run_dir=tmp_path / "run",
+    )
+    trainer.fit()
+    trainer.close()
+    seen = json.loads(record.read_text())
+    topics = [topic for topic, _ in seen]
+    # the 'val' evaluation (2 batches) every 3 batches; 'test' (1 batch) after each epoch
+    want = expected(epochs=2, batches=4, accum=2, batch_eval_every=3, eval_batches=2)
+    want = _epoch_eval_is_test(want)
+    assert topics == want
+    batch_ends = [ts for topic, ts in seen if topic == "batch_end"]
+    assert [ts[1] for ts in batch_ends] == list(range(1, 9))  # batch counter after each step
+    assert [ts[0] for topic, ts in seen if topic == "epoch_end"] == [1, 2]
+
+
+def _epoch_eval_is_test(seq: list[str]) -> list[str]:
+    """In `expected`, epoch-level eval blocks have 2 batches; 'test' has 1."""
+    out, i = [], 0
+    while i < len(seq):
+        if seq[i] == "epoch_end":
+            out += ["epoch_end", *eval_block(1)]
+            i += 1 + len(eval_block(2))
+        else:
+            out.append(seq[i])
+            i += 1
+    return out
+
+
+def test_a_crashing_callback_never_stops_training_or_its_neighbours(tmp_path):
+    counts = tmp_path / "counts.json"
+    trainer = Trainer(mlp(), loader(32, 8), "3ep", loss_fn=torch.nn.functional.cross_entropy,
+                      callbacks=[Crasher(), BatchCounter(str(counts))], run_dir=tmp_path / "run")
+    trainer.fit()
+    trainer.close()
+    assert trainer.timestamp.batch == 12
+    assert json.loads(counts.read_text()) == {"batch_end": 12}
