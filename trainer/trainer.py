@@ -12,6 +12,7 @@ import atexit
 import logging
 import os
 import random
+import resource
 import signal
 import socket
 import time
@@ -88,6 +89,7 @@ class Trainer:
         num_tokens_fn: Callable[[Any], int] | None = None,
         publish: bool = True,
         publish_eval_outputs: bool = False,
+        publish_samples: int = 0,
         per_param_grad_norms: bool = False,
         hparams: Mapping[str, Any] | None = None,
         host: str = "127.0.0.1",
@@ -114,6 +116,9 @@ class Trainer:
         self.loss_fn, self.num_tokens_fn = loss_fn, num_tokens_fn
         self.iteration_length = iteration_length
         self.publish_eval_outputs, self.per_param_grad_norms = publish_eval_outputs, per_param_grad_norms
+        if not isinstance(publish_samples, int) or publish_samples < 0:
+            raise ConfigError(f"publish_samples must be an int >= 0, got {publish_samples!r}")
+        self.publish_samples = publish_samples
 
         self.model = model.to(self.device)
         if self.world_size > 1 and not isinstance(model, nn.parallel.DistributedDataParallel):
@@ -125,6 +130,8 @@ class Trainer:
         self.eval_intervals = _eval_intervals(eval_interval, self.eval_dataloaders)
         self._eval_every_batch = any(i.unit is TimeUnit.BATCH for i in self.eval_intervals.values())
         self.eval_metrics = _metrics(eval_metrics, self.device)
+        bare = getattr(model, "module", model)
+        self._flops_fn = getattr(bare, "flops_per_batch", None)  # Composer's optional model hook
         self.timestamp = Timestamp()
         self.run_id = uuid.uuid4().hex[:12]
         self.run_name = run_name or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{self.run_id[:6]}"
@@ -302,6 +309,7 @@ class Trainer:
             loss.backward()
             emit(E.AFTER_BACKWARD, now, {"microbatch": i})
             total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
+        last = (micro, outputs)
         if wants(E.AFTER_TRAIN_BATCH):
             emit(E.AFTER_TRAIN_BATCH, now, self._grad_snapshot(total_loss))
         for opt in self.optimizers:
@@ -311,7 +319,7 @@ class Trainer:
         ts.next_batch(size, self.num_tokens_fn(batch) if self.num_tokens_fn else 0)
         now = ts.as_tuple()
         if wants(E.BATCH_END):
-            emit(E.BATCH_END, now, self._batch_end_snapshot(total_loss, size))
+            emit(E.BATCH_END, now, self._batch_end_snapshot(total_loss, size, batch, last))
         self._poll_control()
         if self._eval_every_batch:
             self._run_evaluators(TimeUnit.BATCH)
@@ -351,7 +359,8 @@ class Trainer:
             snapshot["param_grad_norms"] = {n: v for (n, _), v in zip(named, norms, strict=True)}
         return snapshot
 
-    def _batch_end_snapshot(self, loss: torch.Tensor | None, size: int) -> dict[str, Any]:
+    def _batch_end_snapshot(self, loss: torch.Tensor | None, size: int, batch: Any,
+                            last: tuple[Any, Any]) -> dict[str, Any]:
         snapshot: dict[str, Any] = {
             "loss": loss,
             "lr": [group["lr"] for opt in self.optimizers for group in opt.param_groups],
@@ -359,6 +368,19 @@ class Trainer:
         }
         if self.device.type == "cuda":
             snapshot["memory"] = _cuda_memory(self.device)
+        else:
+            snapshot["memory"] = {"max_rss_bytes": _max_rss()}
+        if self._flops_fn is not None:
+            snapshot["flops"] = self._flops_fn(batch)
+        if self.publish_samples:
+            micro, outputs = last
+            inputs, targets = _pair(micro) if isinstance(micro, (tuple, list)) else (micro, None)
+            n = self.publish_samples
+            snapshot["samples"] = {
+                "inputs": inputs[:n].detach() if isinstance(inputs, torch.Tensor) else None,
+                "targets": targets[:n].detach() if isinstance(targets, torch.Tensor) else None,
+                "outputs": outputs[:n].detach() if isinstance(outputs, torch.Tensor) else None,
+            }
         return snapshot
 
     # ------------------------------------------------------------------ control
@@ -387,10 +409,14 @@ class Trainer:
             return
         self._ckpts_due = 0
         requests, self._pending_ckpts = self._pending_ckpts, []
-        tags = [r.args.get("tag", "") for r in requests] or ["sigterm"]
-        tag = "-".join(t for t in tags if t) if tags else ""
+        tags = [_safe_name(str(r.args.get("tag", ""))) for r in requests] or ["sigterm"]
+        tag = "-".join(t for t in tags if t)
+        filename = next((r.args["filename"] for r in requests if r.args.get("filename")), None)
         try:
-            path = self.save_checkpoint(tag=tag)
+            if filename is not None and _safe_name(str(filename)) != filename:
+                raise CheckpointError(f"checkpoint filename {filename!r} must be a plain file name "
+                                      "(letters, digits, '.', '-', '_')")
+            path = self.save_checkpoint(tag=tag, filename=filename)
         except CheckpointError as exc:
             for request in requests:
                 request.refuse(str(exc), step=self.timestamp.batch)
@@ -409,10 +435,10 @@ class Trainer:
 
     # -------------------------------------------------------------- checkpoints
 
-    def save_checkpoint(self, tag: str = "") -> Path:
+    def save_checkpoint(self, tag: str = "", filename: str | None = None) -> Path:
         """Write a checkpoint now (rank 0 writes; every rank must call it at the same step)."""
         ts = self.timestamp
-        name = f"ep{ts.epoch}-ba{ts.batch}" + (f"-{tag}" if tag else "") + ".pt"
+        name = filename or f"ep{ts.epoch}-ba{ts.batch}" + (f"-{tag}" if tag else "") + ".pt"
         rngs = self._agreement.gather(rng_state())
         path = self.save_folder / name
         if self.rank == 0:
@@ -490,6 +516,9 @@ class Trainer:
                 data: dict[str, Any] = {"dataloader_label": label}
                 if self.publish_eval_outputs:
                     data["outputs"], data["targets"] = outputs.detach(), targets.detach()
+                    inputs = _pair(batch)[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
+                    if isinstance(inputs, torch.Tensor):
+                        data["inputs"] = inputs.detach()
                 emit(E.EVAL_BATCH_END, ts, data)
         metrics = {name: metric.compute() for name, metric in self.eval_metrics.items()}
         if loss_sum is not None:
@@ -728,6 +757,17 @@ def _describe_optimizer(opt: torch.optim.Optimizer) -> dict[str, Any]:
     group = opt.param_groups[0] if opt.param_groups else {}
     return {"name": type(opt).__name__,
             **{k: v for k, v in group.items() if isinstance(v, (int, float, str, bool))}}
+
+
+def _safe_name(text: str) -> str:
+    """A tag or file name reduced to characters that cannot leave the checkpoint folder."""
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "_" for c in text)[:100]
+    return cleaned.lstrip(".")
+
+
+def _max_rss() -> int:
+    """Peak resident memory of this process, in bytes (one cheap syscall)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _scalar(value: Any) -> Any:

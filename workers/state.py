@@ -65,7 +65,7 @@ class State:
             "memory": MappingProxyType({}), "eval_metrics": MappingProxyType({}),
             "dataloader_label": None, "outputs": None, "targets": None, "data": MappingProxyType({}),
             "rank": 0, "wall_time": 0.0, "dataloader_len": None, "world_size": 1,
-            "last_checkpoint": None, "stopped_by": None, "gaps": 0,
+            "last_checkpoint": None, "stopped_by": None, "gaps": 0, "samples": None, "flops": None,
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -112,7 +112,8 @@ class State:
     def _batch_end(self, data: dict) -> None:
         self._set(loss=data.get("loss"), lr=tuple(data.get("lr") or ()),
                   batch_size=data.get("batch_size"),
-                  memory=MappingProxyType(data.get("memory") or {}))
+                  memory=MappingProxyType(data.get("memory") or {}),
+                  samples=data.get("samples"), flops=data.get("flops"))
 
     def _after_train_batch(self, data: dict) -> None:
         self._set(grad_norm=data.get("grad_norm"),

@@ -1,0 +1,77 @@
+"""Run callbacks on real events: a real Trainer publishes, a real Worker (in a thread of
+the test process, over real sockets) runs the callbacks, and the test reads the result."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainer import Trainer
+from workers import Worker
+from workers.logger import JSONLLogger, LoggerDestination
+
+
+def classifier(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def dataset(n: int = 64, seed: int = 1) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=gen)
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
+class MemoryLog(LoggerDestination):
+    """Keeps every log_metrics call: [(step, metrics)]."""
+
+    def __init__(self) -> None:
+        self.metrics: list[tuple[int, dict[str, Any]]] = []
+        self.texts: list[str] = []
+
+    def log_metrics(self, metrics, step):
+        self.metrics.append((step, dict(metrics)))
+
+    def log_text(self, text):
+        self.texts.append(text)
+
+    def values(self, key: str) -> list:
+        return [m[key] for _, m in self.metrics if key in m]
+
+
+def run_with_worker(callbacks: list, tmp_path: Path, *, max_duration: str = "3ep",
+                    destinations: list | None = None, **trainer_kw) -> tuple[Trainer, Worker]:
+    """Train a small classifier while a Worker runs `callbacks`; returns both after the
+    worker has handled fit_end and closed its callbacks."""
+    kw: dict[str, Any] = {
+        "loss_fn": torch.nn.functional.cross_entropy,
+        "eval_dataloader": DataLoader(dataset(32, seed=2), batch_size=16),
+        "run_dir": tmp_path / "run",
+        "seed": 3,
+    }
+    kw.update(trainer_kw)
+    train = kw.pop("train_dataloader", None) or DataLoader(dataset(), batch_size=8, shuffle=True)
+    trainer = Trainer(kw.pop("model", None) or classifier(), train, max_duration, **kw)
+    worker = Worker(str(tmp_path / "run"), callbacks,
+                    destinations=destinations if destinations is not None else [MemoryLog()],
+                    heartbeat_timeout=30)
+    worker.connect()
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(worker.run()), daemon=True)
+    thread.start()
+    try:
+        trainer.fit()
+    finally:
+        thread.join(timeout=60)
+        trainer.close()
+    assert not thread.is_alive(), "worker did not finish after fit_end"
+    assert codes == [0], f"worker exited with {codes}: {worker.exit_message}"
+    return trainer, worker
+
+
+__all__ = ["run_with_worker", "MemoryLog", "JSONLLogger", "classifier", "dataset"]

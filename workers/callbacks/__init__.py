@@ -1,0 +1,51 @@
+"""Every built-in callback, importable from here: `from workers.callbacks import EarlyStopper`.
+
+Names resolve lazily (PEP 562), so `offloop worker` loads only the callbacks it runs
+and a read-only command never imports torch through this package.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: public name -> module under workers.callbacks
+BUILTINS: dict[str, str] = {
+    # Composer's callbacks
+    "CheckpointSaver": "checkpoint_saver",
+    "SpeedMonitor": "speed_monitor",
+    "LRMonitor": "lr_monitor",
+    "GradMonitor": "grad_monitor",
+    "OptimizerMonitor": "grad_monitor",
+    "MemoryMonitor": "memory_monitor",
+    "RuntimeEstimator": "runtime_estimator",
+    "ImageVisualizer": "image_visualizer",
+    "MLPerfCallback": "mlperf",
+    "ThresholdStopper": "stoppers",
+    "EarlyStopper": "stoppers",
+    "ExportForInferenceCallback": "export",
+    # pytorch-accelerated's callbacks
+    "TrainerCallback": "accelerated",
+    "TerminateOnNaNCallback": "accelerated",
+    "LogMetricsCallback": "accelerated",
+    "PrintProgressCallback": "accelerated",
+    "ProgressBarCallback": "accelerated",
+    "SaveBestModelCallback": "accelerated",
+    "EarlyStoppingCallback": "accelerated",
+    "MoveModulesToDeviceCallback": "accelerated",
+    # metrics computed in the worker from published eval outputs
+    "ClassificationMetricsCallback": "metrics",
+}
+
+__all__ = sorted(BUILTINS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in BUILTINS:
+        raise AttributeError(f"workers.callbacks has no callback {name!r}; built-ins: {', '.join(__all__)}")
+    module = importlib.import_module(f"workers.callbacks.{BUILTINS[name]}")
+    return getattr(module, name)
+
+
+def __dir__() -> list[str]:
+    return __all__
