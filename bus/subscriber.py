@@ -88,6 +88,7 @@ class Subscriber:
         self._last_heard = time.monotonic()
         self._latest_beat = 0
         self._final_at: float | None = None
+        self._joined = False
 
     # ------------------------------------------------------------ joining
 
@@ -106,6 +107,7 @@ class Subscriber:
             while not self._latest_beat:
                 self._pump(deadline)
             self._last_heard = time.monotonic()
+            self._joined = True
             return None
         while True:
             state, beat = self._request_state(deadline)
@@ -116,6 +118,7 @@ class Subscriber:
                 break  # our subscription was live before the state was taken
         self._apply_state(state)
         self._last_heard = time.monotonic()
+        self._joined = True
         return self.join_state
 
     def _request_state(self, deadline: float) -> tuple[list, int]:
@@ -191,7 +194,8 @@ class Subscriber:
                 self._take(frames)
                 return True
             now = time.monotonic()
-            silence = self._last_heard + self.heartbeat_timeout
+            # while joining, the join deadline is the only limit
+            silence = self._last_heard + self.heartbeat_timeout if self._joined else float("inf")
             if now >= silence and not self.finished:
                 raise PublisherSilent(
                     f"no heartbeat from {self.events_endpoint} for {self.heartbeat_timeout:g}s"
@@ -203,6 +207,7 @@ class Subscriber:
                     )
                 return False
             wake = silence if deadline is None else min(deadline, silence)
+            wake = min(wake, now + 3600)
             if self._beats or self._final_at is not None:
                 wake = min(wake, now + self.settle / 2)
             self._sub.poll(max(0.0, wake - now) * 1000)

@@ -11,6 +11,7 @@ from offloop.errors import CliError, report
 #: command name -> (module under offloop.commands, one-line help)
 COMMANDS = {
     "demo": ("demo", "publish events from a small job and receive them in another process"),
+    "worker": ("worker", "run callbacks against a run (a run directory, name or endpoint)"),
 }
 
 

@@ -134,7 +134,8 @@ class Trainer:
         self._flops_fn = getattr(bare, "flops_per_batch", None)  # Composer's optional model hook
         self.timestamp = Timestamp()
         self.run_id = uuid.uuid4().hex[:12]
-        self.run_name = run_name or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{self.run_id[:6]}"
+        self.run_name = run_name or (Path(run_dir).name if run_dir else
+                                     f"run-{time.strftime('%Y%m%d-%H%M%S')}-{self.run_id[:6]}")
         self.run_dir = Path(run_dir) if run_dir else Path(os.environ.get("OFFLOOP_RUNS", "runs")) / self.run_name
         self.save_folder = Path(save_folder) if save_folder else self.run_dir / "checkpoints"
         self.hparams = dict(hparams or {})

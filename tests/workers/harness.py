@@ -45,7 +45,8 @@ class MemoryLog(LoggerDestination):
 
 
 def run_with_worker(callbacks: list, tmp_path: Path, *, max_duration: str = "3ep",
-                    destinations: list | None = None, **trainer_kw) -> tuple[Trainer, Worker]:
+                    destinations: list | None = None, worker_kw: dict | None = None,
+                    **trainer_kw) -> tuple[Trainer, Worker]:
     """Train a small classifier while a Worker runs `callbacks`; returns both after the
     worker has handled fit_end and closed its callbacks."""
     kw: dict[str, Any] = {
@@ -59,7 +60,7 @@ def run_with_worker(callbacks: list, tmp_path: Path, *, max_duration: str = "3ep
     trainer = Trainer(kw.pop("model", None) or classifier(), train, max_duration, **kw)
     worker = Worker(str(tmp_path / "run"), callbacks,
                     destinations=destinations if destinations is not None else [MemoryLog()],
-                    heartbeat_timeout=30)
+                    **{"heartbeat_timeout": 30, **(worker_kw or {})})
     worker.connect()
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(worker.run()), daemon=True)

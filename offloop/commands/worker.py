@@ -1,0 +1,66 @@
+"""`offloop worker <run> <callback>...`: run callbacks against a run, in this process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from offloop.errors import abort
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", help="run directory, run name (under --runs-root) or state endpoint tcp://host:port")
+    parser.add_argument("callbacks", nargs="*", metavar="CALLBACK",
+                        help="built-in name or pkg.mod:Class, optionally called with literals: "
+                             "'EarlyStopper(monitor=\"MulticlassAccuracy\", dataloader_label=\"eval\", patience=2)'")
+    parser.add_argument("--config", help="JSON/TOML file: {\"callbacks\": [\"LRMonitor\", {\"name\": ..., \"args\": {...}}]}")
+    parser.add_argument("--runs-root", help="where run names are looked up (default $OFFLOOP_RUNS or ./runs)")
+    parser.add_argument("--jsonl", help="also log metrics to this JSONL file")
+    parser.add_argument("--tensorboard", help="also log metrics as TensorBoard event files in this folder")
+    parser.add_argument("--quiet", action="store_true", help="no console logging")
+    parser.add_argument("--keep-failing", action="store_true",
+                        help="keep calling a callback after it raised (default: disable it)")
+    parser.add_argument("--stay", action="store_true",
+                        help="stay after fit_end until the run closes its stream")
+    parser.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                        help="seconds without a heartbeat before the trainer counts as gone")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bus import BusError, find_run
+    from workers import Worker
+    from workers.logger import ConsoleLogger, JSONLLogger, TensorBoardLogger
+    from workers.spec import SpecError, build_callback, load_config
+
+    try:
+        config = load_config(args.config) if args.config else {}
+        specs = list(config.get("callbacks", [])) + list(args.callbacks)
+        if not specs:
+            abort("no callbacks given: name at least one, or pass --config")
+        callbacks = [build_callback(spec) for spec in specs]
+    except SpecError as exc:
+        abort(str(exc))
+    try:
+        info = find_run(args.run, args.runs_root)
+    except BusError as exc:
+        abort(str(exc))
+    if info.finished:
+        abort(f"run {info.run_name} has finished; use `offloop replay` on its recording instead")
+    destinations = [] if args.quiet else [ConsoleLogger()]
+    if args.jsonl or config.get("jsonl"):
+        destinations.append(JSONLLogger(args.jsonl or config["jsonl"]))
+    if args.tensorboard or config.get("tensorboard"):
+        destinations.append(TensorBoardLogger(args.tensorboard or config["tensorboard"]))
+    worker = Worker(info, callbacks, destinations=destinations,
+                    disable_on_error=not args.keep_failing, exit_on_fit_end=not args.stay,
+                    heartbeat_timeout=args.heartbeat_timeout)
+    try:
+        worker.connect()
+    except BusError as exc:
+        abort(f"cannot join run {info.run_name}: {exc}", 3)
+    print(f"offloop worker: joined run {info.run_name} with {worker.name}", file=sys.stderr, flush=True)
+    code = worker.run()
+    stats = worker.stats
+    print(f"offloop worker: {worker.exit_message}; handled {stats.events} events, {stats.gaps} lost, "
+          f"{stats.errors} callback errors", file=sys.stderr, flush=True)
+    return code

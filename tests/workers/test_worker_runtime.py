@@ -1,0 +1,188 @@
+"""The worker runtime: order, isolation of failures, subscriptions, joining late, silence."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from harness import MemoryLog, run_with_worker
+
+from workers import Callback, ReadOnlyStateError, Worker
+from workers.spec import SpecError, build_callback, parse_spec
+
+ROOT = Path(__file__).parent.parent.parent
+TESTS = ROOT / "tests"
+
+
+class Tracer(Callback):
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def batch_end(self, state, logger):
+        self.log.append((self.name, state.timestamp.batch))
+
+
+class Boom(Callback):
+    def __init__(self):
+        self.calls = 0
+
+    def batch_end(self, state, logger):
+        self.calls += 1
+        raise ValueError("boom")
+
+
+class Mutator(Callback):
+    def __init__(self):
+        self.error = None
+
+    def batch_end(self, state, logger):
+        try:
+            state.loss = 0.0
+        except ReadOnlyStateError as exc:
+            self.error = str(exc)
+
+
+def test_callbacks_run_sequentially_in_the_order_given(tmp_path):
+    log: list = []
+    run_with_worker([Tracer("a", log), Tracer("b", log)], tmp_path, max_duration="4ba")
+    assert log == [(n, b) for b in range(1, 5) for n in ("a", "b")]
+
+
+def test_a_failing_callback_is_disabled_with_event_and_traceback_and_the_others_go_on(tmp_path, capsys):
+    log: list = []
+    boom = Boom()
+    _, worker = run_with_worker([boom, Tracer("after", log)], tmp_path, max_duration="4ba")
+    err = capsys.readouterr().err
+    assert "callback Boom raised on event batch_end (disabled" in err
+    assert "ValueError: boom" in err and "Traceback" in err
+    assert boom.calls == 1 and len(log) == 4 and worker.stats.errors == 1
+
+
+def test_failing_callback_can_be_kept(tmp_path, capsys):
+    boom = Boom()
+    run_with_worker([boom], tmp_path, max_duration="3ba", worker_kw={"disable_on_error": False})
+    assert boom.calls == 3
+    assert capsys.readouterr().err.count("raised on event batch_end (kept") == 3
+
+
+def test_state_is_read_only_with_a_clear_error(tmp_path):
+    mutator = Mutator()
+    run_with_worker([mutator], tmp_path, max_duration="2ba")
+    assert mutator.error.startswith("cannot set state.loss: State is read-only")
+    assert "self.halt(reason)" in mutator.error
+
+
+def test_worker_subscribes_only_to_what_its_callbacks_implement(tmp_path):
+    class EpochOnly(Callback):
+        def epoch_start(self, state, logger):
+            pass
+
+    class Everything(Callback):
+        def run_event(self, event, state, logger):
+            pass
+
+    from bus import RunInfo
+
+    info = RunInfo("x", "x", os.getpid(), 0.0, {"events": "tcp://127.0.0.1:1"})
+    assert "epoch_start" in Worker(info, [EpochOnly()]).topics()
+    assert "after_forward" not in Worker(info, [EpochOnly()]).topics()
+    assert Worker(info, [EpochOnly(), Everything()]).topics() is None
+
+
+def test_composer_docs_example_runs_unchanged_but_for_the_import(tmp_path, capsys):
+    namespace: dict = {}
+    exec(  # the example from Composer's callback docs, with offloop's import line
+        "from workers import Callback, Event, Logger, State\n"
+        "class EpochMonitor(Callback):\n"
+        "    def run_event(self, event: Event, state: State, logger: Logger):\n"
+        "        if event == Event.EPOCH_START:\n"
+        "            print(f'Epoch: {state.timestamp.epoch}')\n", namespace)
+    run_with_worker([namespace["EpochMonitor"]()], tmp_path, max_duration="2ep")
+    out = capsys.readouterr().out
+    assert "Epoch: 0\n" in out and "Epoch: 1\n" in out and out.count("Epoch: ") == 2
+
+
+def test_worker_counts_events_and_time_per_callback_and_event(tmp_path):
+    log = MemoryLog()
+    _, worker = run_with_worker([Tracer("t", [])], tmp_path, max_duration="3ba", destinations=[log])
+    stats = worker.stats.as_dict()
+    assert stats["events"] >= 3 and stats["gaps"] == 0
+    assert set(stats["seconds"]["Tracer"]) == {"batch_end"}
+
+
+def test_specs_are_parsed_safely():
+    assert parse_spec('EarlyStopper(monitor="acc", dataloader_label="eval", patience=2)') == (
+        "EarlyStopper", [], {"monitor": "acc", "dataloader_label": "eval", "patience": 2})
+    assert parse_spec("pkg.mod:Cls(1, [2, 3])") == ("pkg.mod:Cls", [1, [2, 3]], {})
+    for bad in ['X(a=open("f"))', "X(**{'a': 1})", "X(", "(1)"]:
+        with pytest.raises(SpecError):
+            parse_spec(bad) if bad != "(1)" else build_callback(bad)
+    with pytest.raises(SpecError, match="unknown callback 'Nope'"):
+        build_callback("Nope")
+    with pytest.raises(SpecError, match="Tracer"):
+        build_callback("test_worker_runtime:Tracer(1, 2, 3, 4)")
+
+
+def _offloop(*args, **kw):
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}"}
+    return subprocess.Popen([sys.executable, "-m", "offloop.cli", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _wait_for(path: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} never appeared")
+        time.sleep(0.02)
+
+
+def test_worker_process_joins_a_run_under_way_and_exits_at_fit_end(spawn, tmp_path):
+    run_dir = tmp_path / "run"
+    trainer = spawn("slow_trainer", run_dir, 60, 0.05)
+    trainer.line()
+    _wait_for(run_dir / "run.json")
+    time.sleep(0.5)  # let the run get going; the worker must join mid-run
+    report = tmp_path / "probe.json"
+    worker = _offloop("worker", str(run_dir), f"helpers.probes:JoinProbe({str(report)!r})", "--quiet")
+    out, err = worker.communicate(timeout=60)
+    assert worker.returncode == 0, err
+    assert "reached fit_end" in err
+    seen = json.loads(report.read_text())
+    assert seen["first"]["batch"] > 1  # joined under way
+    assert seen["first"]["run_name"] == "run" and seen["first"]["max_duration"] == "60ba"
+    assert seen["last_batch"] == 60
+    assert seen["count"] == 60 - seen["first"]["batch"] + 1  # every batch_end after joining
+    assert trainer.line(timeout=30)["done"] == 60
+
+
+def test_worker_notices_a_killed_trainer_closes_its_callbacks_and_exits(spawn, tmp_path):
+    run_dir = tmp_path / "run"
+    trainer = spawn("slow_trainer", run_dir, 1000, 0.05)
+    trainer.line()
+    _wait_for(run_dir / "run.json")
+    report = tmp_path / "probe.json"
+    worker = _offloop("worker", str(run_dir), f"helpers.probes:JoinProbe({str(report)!r})", "--quiet",
+                      "--heartbeat-timeout", "1")
+    _wait_for(Path(str(report) + ".first"))
+    os.kill(trainer.popen.pid, signal.SIGKILL)
+    out, err = worker.communicate(timeout=30)
+    assert worker.returncode == 3, err
+    assert "fell silent" in err and "no heartbeat" in err
+    assert json.loads(report.read_text())["count"] > 0  # close() ran
+
+
+def test_worker_cli_refuses_unknown_runs_and_bad_specs(tmp_path):
+    proc = _offloop("worker", str(tmp_path / "nope"), "helpers.probes:JoinProbe('x')",
+                    "--runs-root", str(tmp_path))
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "no run" in err
+    proc = _offloop("worker", "x", "Nope(")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "callback spec 'Nope('" in err
