@@ -95,9 +95,11 @@ def read_run_info(run_dir: str | os.PathLike) -> RunInfo:
     return RunInfo.from_dict(data, str(path))
 
 
-def mark_finished(run_dir: str | os.PathLike) -> None:
+def mark_finished(run_dir: str | os.PathLike, **extra: Any) -> None:
+    """Set `finished`, and merge `extra` (final progress, say) into run.json's extra."""
     info = read_run_info(run_dir)
     info.finished = True
+    info.extra.update(extra)
     write_run_info(run_dir, info)
 
 

@@ -149,7 +149,9 @@ class Subscriber:
         for count in header["entries"]:
             if not isinstance(count, int) or count < 1 or at + count > len(frames):
                 raise WireError(f"late-join state lists an entry of {count!r} frames")
-            entries.append(decode_event(frames[at : at + count], self.limits))
+            entry = decode_event(frames[at : at + count], self.limits)
+            entry.raw = [f.bytes if hasattr(f, "bytes") else f for f in frames[at : at + count]]
+            entries.append(entry)
             at += count
         pub = header["pub"]
         self._known_pubs.add(pub)
@@ -237,6 +239,7 @@ class Subscriber:
                 self._count_gap(msg.topic, msg.tseq - last - 1)
         self._last[key] = msg.tseq
         self.stats.received += 1
+        msg.raw = frames
         self._pending.append(msg)
 
     def _settle_beats(self) -> None:

@@ -182,6 +182,7 @@ class Message:
     ts: tuple[int, int, int, int, int]
     data: dict[str, Any] = field(default_factory=dict)
     from_state: bool = False
+    raw: list | None = None  # the frames it was decoded from (kept by subscribers, for recorders)
 
 
 class EventEncoder:

@@ -8,10 +8,18 @@ import sys
 
 from offloop.errors import CliError, report
 
-#: command name -> (module under offloop.commands, one-line help)
+#: command name -> (module, add-arguments function, run function, one-line help)
 COMMANDS = {
-    "demo": ("demo", "publish events from a small job and receive them in another process"),
-    "worker": ("worker", "run callbacks against a run (a run directory, name or endpoint)"),
+    "demo": ("demo", "add_arguments", "run",
+             "train a real model with callbacks running out of process"),
+    "worker": ("worker", "add_arguments", "run",
+               "run callbacks against a run (a run directory, name or endpoint)"),
+    "halt": ("control", "add_halt_arguments", "run_halt",
+             "stop a run after its current batch; prints the step"),
+    "checkpoint": ("control", "add_checkpoint_arguments", "run_checkpoint",
+                   "have a run write a checkpoint; prints its path and step"),
+    "ls": ("ls", "add_arguments", "run", "list runs, live or finished, with their progress"),
+    "replay": ("replay", "add_arguments", "run", "feed a recording to callbacks, offline"),
 }
 
 
@@ -19,17 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offloop", description="Training-loop callbacks that "
                                      "run off the loop.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (module, add, _, help_text) in COMMANDS.items():
         sub = commands.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(f"offloop.commands.{module}").add_arguments(sub)
+        getattr(importlib.import_module(f"offloop.commands.{module}"), add)(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    module = importlib.import_module(f"offloop.commands.{COMMANDS[args.command][0]}")
+    module, _, run, _ = COMMANDS[args.command]
     try:
-        return module.run(args) or 0
+        return getattr(importlib.import_module(f"offloop.commands.{module}"), run)(args) or 0
     except CliError as error:
         return report(error)
     except KeyboardInterrupt:

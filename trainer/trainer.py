@@ -602,7 +602,10 @@ class Trainer:
             self.control.close()
         if self.rank == 0 and self.publisher is not None:
             try:
-                mark_finished(self.run_dir)
+                ts = self.timestamp
+                mark_finished(self.run_dir, progress={"epoch": ts.epoch, "batch": ts.batch,
+                                                      "sample": ts.sample, "token": ts.token},
+                              stopped_by=self.stopped_by, checkpoints=self.checkpoints)
             except Exception as exc:  # never fail a finished run over its run.json
                 log.warning("offloop: could not mark %s finished: %s", self.run_dir, exc)
 

@@ -83,6 +83,9 @@ class Worker:
         self._control: ControlClient | None = None
         self._sub: Subscriber | None = None
         self._closed = False
+        self._gaps_by_topic: dict[str, int] = {}
+        # callbacks that keep the raw wire frames of every event (the Recorder)
+        self._recorders = [c for c in self.callbacks if getattr(c, "records_messages", False)]
 
     def topics(self) -> frozenset[str] | None:
         wanted: set[str] = {"init", "fit_start", "fit_end", "eval_end", "batch_end"}  # keep State current
@@ -105,6 +108,8 @@ class Worker:
         joined = self._sub.connect(join_timeout=self.join_timeout)
         if joined is not None:
             self.state._apply_config(joined.config)
+            for callback in self._recorders:
+                callback.start(self.info, joined.config)
             for entry in sorted(joined.entries, key=lambda m: m.seq):
                 self.state._update(entry)
 
@@ -145,8 +150,11 @@ class Worker:
         """Fold one message into the State and run every enabled callback on it, in order."""
         event = self.state._update(msg) or msg.topic
         self.stats.events += 1
-        self.stats.gaps = self._sub.stats.gaps if self._sub is not None else self.stats.gaps
+        if self._sub is not None and self._sub.stats.gaps != self.stats.gaps:
+            self._note_gaps()
         self.state._set(gaps=self.stats.gaps)
+        for callback in self._recorders:
+            callback.record(msg)
         for index, callback in enumerate(self.callbacks):
             if index in self.disabled:
                 continue
@@ -164,6 +172,17 @@ class Worker:
                 spent = self.stats.seconds[type(callback).__name__]
                 spent[msg.topic] = spent.get(msg.topic, 0.0) + time.perf_counter() - start
         return event
+
+    def _note_gaps(self) -> None:
+        """Tell recorders where events were lost, topic by topic."""
+        now = dict(self._sub.stats.gaps_by_topic)
+        for topic, total in now.items():
+            lost = total - self._gaps_by_topic.get(topic, 0)
+            if lost > 0:
+                for callback in self._recorders:
+                    callback.record_gap(topic, lost)
+        self._gaps_by_topic = now
+        self.stats.gaps = self._sub.stats.gaps
 
     def _stop_training(self, callback, stop: StopTrainingError) -> None:
         hook = getattr(callback, "on_stop_training_error", None)

@@ -35,6 +35,8 @@ BUILTINS: dict[str, str] = {
     "MoveModulesToDeviceCallback": "accelerated",
     # metrics computed in the worker from published eval outputs
     "ClassificationMetricsCallback": "metrics",
+    # offloop's own
+    "Recorder": "recorder",
 }
 
 __all__ = sorted(BUILTINS)

@@ -1,0 +1,44 @@
+"""`offloop replay <file> <callback>...`: feed a recording to callbacks, offline."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from offloop.errors import abort
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recording", help="a recording written by the Recorder callback")
+    parser.add_argument("callbacks", nargs="*", metavar="CALLBACK",
+                        help="as for `offloop worker`: a built-in name or pkg.mod:Class(literal args)")
+    parser.add_argument("--config", help="JSON/TOML file with a 'callbacks' list")
+    parser.add_argument("--jsonl", help="also log metrics to this JSONL file")
+    parser.add_argument("--quiet", action="store_true", help="no console logging")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bus import WireError
+    from workers.logger import ConsoleLogger, JSONLLogger
+    from workers.replay import replay
+    from workers.spec import SpecError, build_callback, load_config
+
+    try:
+        config = load_config(args.config) if args.config else {}
+        specs = list(config.get("callbacks", [])) + list(args.callbacks)
+        if not specs:
+            abort("no callbacks given: name at least one, or pass --config")
+        callbacks = [build_callback(spec) for spec in specs]
+    except SpecError as exc:
+        abort(str(exc))
+    destinations = [] if args.quiet else [ConsoleLogger()]
+    if args.jsonl:
+        destinations.append(JSONLLogger(args.jsonl))
+    try:
+        worker = replay(args.recording, callbacks, destinations)
+    except WireError as exc:
+        abort(str(exc))
+    print(f"offloop replay: {worker.stats.events} events replayed, {worker.stats.gaps} recorded as lost, "
+          f"{worker.malformed} unreadable, {worker.stats.errors} callback errors, "
+          f"{len(worker.replay_requests)} control requests printed (not sent)", file=sys.stderr)
+    return 0

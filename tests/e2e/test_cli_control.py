@@ -1,0 +1,82 @@
+"""`offloop halt`, `checkpoint`, `ls`, `replay` against real runs in other processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent.parent
+TESTS = ROOT / "tests"
+
+
+def offloop(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}"}
+    return subprocess.run([sys.executable, "-m", "offloop.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def wait_for(path: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def test_checkpoint_then_halt_a_live_run_then_ls_shows_it_finished(spawn, tmp_path):
+    run_dir = tmp_path / "runs" / "job"
+    trainer = spawn("slow_trainer", run_dir, 2000, 0.02)
+    trainer.line()
+    wait_for(run_dir / "run.json")
+
+    listed = offloop("ls", "--runs-root", str(tmp_path / "runs"), "--json")
+    row = json.loads(listed.stdout.splitlines()[0])
+    assert row["name"] == "job" and row["status"] == "live"
+
+    ckpt = offloop("checkpoint", "job", "--runs-root", str(tmp_path / "runs"), "--tag", "cli")
+    assert ckpt.returncode == 0, ckpt.stderr
+    assert "checkpoint of run job at batch" in ckpt.stdout
+    path = Path(ckpt.stdout.strip().rsplit(": ", 1)[1])
+    assert path.exists() and path.name.endswith("-cli.pt")
+
+    halt = offloop("halt", str(run_dir), "--reason", "from the test")
+    assert halt.returncode == 0, halt.stderr
+    step = int(halt.stdout.split("after batch ")[1].split()[0])
+    assert trainer.line(timeout=60)["done"] == step
+
+    trainer.wait(timeout=30)
+    listed = offloop("ls", "--runs-root", str(tmp_path / "runs"))
+    assert "job" in listed.stdout and "finished" in listed.stdout and f"ba {step}" in listed.stdout
+
+    again = offloop("halt", str(run_dir))
+    assert again.returncode == 1 and "has finished" in again.stderr
+
+
+def test_halt_of_unknown_or_dead_runs_fails_clearly(tmp_path, free_port):
+    unknown = offloop("halt", "nope", "--runs-root", str(tmp_path))
+    assert unknown.returncode == 1 and "no run 'nope'" in unknown.stderr
+
+    from bus import RunInfo, write_run_info
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    write_run_info(tmp_path / "ghost", RunInfo("g", "ghost", dead.pid, time.time(),
+                                               {"control": f"tcp://127.0.0.1:{free_port}"}))
+    ghost = offloop("halt", "ghost", "--runs-root", str(tmp_path))
+    assert ghost.returncode == 1 and "is not running" in ghost.stderr
+
+    unreachable = offloop("halt", f"tcp://127.0.0.1:{free_port}")
+    assert unreachable.returncode == 1 and "no run answered" in unreachable.stderr
+
+
+def test_halt_that_gets_no_answer_times_out(tmp_path, free_port):
+    from bus import RunInfo, write_run_info
+
+    # a live process (this one) whose run has a control endpoint nobody serves
+    write_run_info(tmp_path / "mute", RunInfo("m", "mute", os.getpid(), time.time(),
+                                              {"control": f"tcp://127.0.0.1:{free_port}"}))
+    mute = offloop("halt", "mute", "--runs-root", str(tmp_path), "--timeout", "1")
+    assert mute.returncode == 1 and "did not answer" in mute.stderr
