@@ -15,7 +15,7 @@ from bus.discovery import (
 )
 from bus.duration import DurationError, Time, TimeUnit
 from bus.errors import BusError, ControlTimeout, PublisherSilent, RunNotFound, WireError
-from bus.events import CHECKPOINT_SAVED, EVENT_TOPICS, RUN_TOPICS, Event
+from bus.events import CHECKPOINT_SAVED, CONTROL_REQUEST, EVENT_TOPICS, RUN_TOPICS, Event
 from bus.publisher import DEFAULT_RETAINED, Publisher
 from bus.subscriber import JoinState, Subscriber
 from bus.wire import Limits, Message, TensorFrame
@@ -24,6 +24,7 @@ __all__ = [
     "Ack",
     "BusError",
     "CHECKPOINT_SAVED",
+    "CONTROL_REQUEST",
     "ControlClient",
     "ControlRequest",
     "ControlServer",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["Event", "EVENT_TOPICS", "CHECKPOINT_SAVED", "RUN_TOPICS"]
+__all__ = ["Event", "EVENT_TOPICS", "CHECKPOINT_SAVED", "CONTROL_REQUEST", "RUN_TOPICS"]
 
 
 class Event(str, Enum):
@@ -78,6 +78,9 @@ class Event(str, Enum):
 #: Published by the trainer when it has written a checkpoint (not a Composer event).
 CHECKPOINT_SAVED = "checkpoint_saved"
 
+#: Published by the trainer for each control request it reads (op, client, args, step).
+CONTROL_REQUEST = "control_request"
+
 #: Every topic a trainer publishes; a subscription to "everything" means these.
 EVENT_TOPICS: tuple[str, ...] = tuple(e.value for e in Event)
-RUN_TOPICS: tuple[str, ...] = EVENT_TOPICS + (CHECKPOINT_SAVED,)
+RUN_TOPICS: tuple[str, ...] = EVENT_TOPICS + (CHECKPOINT_SAVED, CONTROL_REQUEST)

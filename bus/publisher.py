@@ -51,6 +51,7 @@ DEFAULT_RETAINED = frozenset(
         Event.EVAL_STANDALONE_END.value,
         Event.PREDICT_END.value,
         "checkpoint_saved",
+        "control_request",
     }
 )
 

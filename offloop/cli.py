@@ -18,6 +18,7 @@ COMMANDS = {
              "stop a run after its current batch; prints the step"),
     "checkpoint": ("control", "add_checkpoint_arguments", "run_checkpoint",
                    "have a run write a checkpoint; prints its path and step"),
+    "attach": ("attach", "add_arguments", "run", "watch a running job live in the terminal (read-only)"),
     "ls": ("ls", "add_arguments", "run", "list runs, live or finished, with their progress"),
     "replay": ("replay", "add_arguments", "run", "feed a recording to callbacks, offline"),
 }

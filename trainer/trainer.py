@@ -29,6 +29,7 @@ from torch import nn
 
 from bus import (
     CHECKPOINT_SAVED,
+    CONTROL_REQUEST,
     ControlServer,
     Event,
     Publisher,
@@ -391,6 +392,8 @@ class Trainer:
         requests = self.control.poll() if self.control is not None else ()
         for request in requests:
             (self._pending_halts if request.op == "halt" else self._pending_ckpts).append(request)
+            self.emitter.emit(CONTROL_REQUEST, self.timestamp.as_tuple(),
+                              {"op": request.op, "client": request.client, "args": request.args})
         halt = bool(self._pending_halts) or self._sigterm
         sigterm_ckpt = int(self._sigterm and self.checkpoint_on_sigterm)
         halt, ckpts = self._agreement.agree(halt, len(self._pending_ckpts) + sigterm_ckpt)
