@@ -8,6 +8,7 @@ costs one attribute check per batch boundary when nothing is pending.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -29,6 +30,8 @@ from bus.wire import (
 )
 
 __all__ = ["ControlServer", "ControlClient", "ControlRequest", "Ack", "OPS"]
+
+log = logging.getLogger("offloop.control")
 
 #: The only requests that ever flow back to a trainer.
 OPS = ("halt", "checkpoint")
@@ -90,6 +93,7 @@ class ControlServer:
         keep_acks: int = 4096,
         authorize: Callable[[ControlRequest], str | None] | None = None,
         context: zmq.Context | None = None,
+        curve=None,
     ) -> None:
         self.limits = limits
         self.stats = ControlStats()
@@ -106,19 +110,25 @@ class ControlServer:
         self._wake_lock = threading.Lock()
         self._inproc = f"inproc://offloop-control-{uuid.uuid4().hex[:12]}"
         self._thread: threading.Thread | None = None
+        self._curve = curve  # bus.security.ServerKeys: only authorised client keys get through
 
     def start(self) -> str:
         router = self._ctx.socket(zmq.ROUTER)
         router.maxmsgsize = self.limits.max_body_bytes  # oversized requests never reach decode
         router.linger = 0
+        monitor = None
+        if self._curve is not None:
+            self._curve.apply(router)
+            monitor = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         router.bind(f"tcp://{self._host}:{self._port or '*'}")
         self.endpoint = router.last_endpoint.decode()
         wake = self._ctx.socket(zmq.PAIR)
         wake.bind(self._inproc)
         self._wake = self._ctx.socket(zmq.PAIR)
         self._wake.connect(self._inproc)
-        self._thread = threading.Thread(target=self._serve, args=(router, wake), daemon=True,
-                                        name="offloop-control")
+        self._thread = threading.Thread(target=self._serve, args=(router, wake, monitor),
+                                        daemon=True, name="offloop-control")
         self._thread.start()
         return self.endpoint
 
@@ -145,10 +155,12 @@ class ControlServer:
 
     # ------------------------------------------------------- server thread
 
-    def _serve(self, router: zmq.Socket, wake: zmq.Socket) -> None:
+    def _serve(self, router: zmq.Socket, wake: zmq.Socket, monitor: zmq.Socket | None) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
         try:
             while True:
                 ready = dict(poller.poll())
@@ -158,9 +170,25 @@ class ControlServer:
                 if router in ready:
                     while router.poll(0):
                         self._receive(router, router.recv_multipart(copy=False))
+                if monitor is not None and monitor in ready:
+                    self._handshake_failures(monitor)
         finally:
+            if monitor is not None:
+                router.disable_monitor()
+                monitor.close(linger=0)
             router.close(linger=0)
             wake.close(linger=0)
+
+    def _handshake_failures(self, monitor: zmq.Socket) -> None:
+        """A client whose key is not authorised never gets a message through: count it."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)
+            self.stats.unauthorized += 1
+            log.warning("offloop control: refused a client at %s (%s): its key is not authorised",
+                        event.get("endpoint", b"").decode(errors="replace"),
+                        "bad key" if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "handshake")
 
     def _send_acks(self, router: zmq.Socket, wake: zmq.Socket) -> bool:
         alive = True
@@ -243,11 +271,13 @@ class ControlClient:
     _ids = itertools.count(1)
 
     def __init__(self, endpoint: str, *, client_id: str | None = None,
-                 limits: Limits = DEFAULT_LIMITS, context: zmq.Context | None = None) -> None:
+                 limits: Limits = DEFAULT_LIMITS, context: zmq.Context | None = None,
+                 curve=None) -> None:
         self.endpoint = endpoint
         self.client_id = client_id or uuid.uuid4().hex[:12]
         self.limits = limits
         self.attempts = 0
+        self._curve = curve  # bus.security.ClientKeys
         self._own_context = context is None
         self._ctx = context or zmq.Context()
 
@@ -262,6 +292,8 @@ class ControlClient:
             sock = self._ctx.socket(zmq.DEALER)
             sock.linger = 0
             sock.maxmsgsize = self.limits.max_body_bytes
+            if self._curve is not None:
+                self._curve.apply(sock)
             try:
                 sock.connect(self.endpoint)
                 sock.send(body)

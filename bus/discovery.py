@@ -45,6 +45,8 @@ class RunInfo:
     world_size: int = 1
     ranks: list[dict[str, str]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the trainer's CURVE public key (z85), when its sockets need keys; public, not secret
+    curve_public: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,10 +105,12 @@ def mark_finished(run_dir: str | os.PathLike, **extra: Any) -> None:
     write_run_info(run_dir, info)
 
 
-def find_run(spec: str, runs_root: str | os.PathLike | None = None, timeout: float = 2.0) -> RunInfo:
-    """A run from a directory, a name under `runs_root`, or a ``tcp://`` state endpoint."""
+def find_run(spec: str, runs_root: str | os.PathLike | None = None, timeout: float = 2.0,
+             curve=None) -> RunInfo:
+    """A run from a directory, a name under `runs_root`, or a ``tcp://`` state endpoint
+    (asked with `curve` client keys when the run has keys)."""
     if "://" in spec:
-        return _ask_endpoint(spec, timeout)
+        return _ask_endpoint(spec, timeout, curve)
     path = Path(spec)
     if (path / RUN_FILE).exists():
         return read_run_info(path)
@@ -131,7 +135,7 @@ def list_runs(runs_root: str | os.PathLike | None = None) -> list[RunInfo]:
     return sorted(runs, key=lambda r: r.started)
 
 
-def _ask_endpoint(endpoint: str, timeout: float) -> RunInfo:
+def _ask_endpoint(endpoint: str, timeout: float, curve=None) -> RunInfo:
     import zmq
 
     from bus.wire import WireError, decode_reply, encode_request
@@ -139,6 +143,8 @@ def _ask_endpoint(endpoint: str, timeout: float) -> RunInfo:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
+    if curve is not None:
+        curve.apply(sock)
     try:
         sock.connect(endpoint)
         sock.send(encode_request("info_req"))

@@ -77,6 +77,7 @@ class Publisher:
         retained: frozenset[str] = DEFAULT_RETAINED,
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
+        curve=None,
     ) -> None:
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
@@ -107,6 +108,7 @@ class Publisher:
         self._inproc = f"inproc://offloop-pub-{self.publisher_id}"
         self.endpoints: dict[str, str] = {}
         self._closed = False
+        self._curve = curve  # bus.security.ServerKeys: the public sockets become CURVE servers
 
     # ------------------------------------------------------------ lifecycle
 
@@ -119,6 +121,8 @@ class Publisher:
         back = ctx.socket(zmq.XPUB)
         back.sndhwm = self._subscriber_hwm
         back.linger = 0
+        if self._curve is not None:
+            self._curve.apply(back)
         events = self._bind(back, self._events_port)
         proxy_ctl = ctx.socket(zmq.PAIR)
         proxy_ctl.bind(self._inproc + "-proxy")
@@ -128,6 +132,8 @@ class Publisher:
         router = ctx.socket(zmq.ROUTER)
         router.maxmsgsize = self.limits.max_body_bytes
         router.linger = 0
+        if self._curve is not None:
+            self._curve.apply(router)
         state = self._bind(router, self._state_port)
         heartbeat = ctx.socket(zmq.XPUB)
         heartbeat.connect(self._inproc)

@@ -65,6 +65,7 @@ class Subscriber:
         rcvhwm: int = 10_000,
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
+        curve=None,
     ) -> None:
         self.events_endpoint, self.state_endpoint = events, state
         self.topics = None if topics is None else frozenset(str(t) for t in topics)
@@ -81,6 +82,9 @@ class Subscriber:
         self._sub.rcvhwm = rcvhwm
         self._sub.linger = 0
         self._sub.maxmsgsize = limits.max_message_bytes
+        self._curve = curve  # bus.security.ClientKeys, for a trainer that has keys
+        if curve is not None:
+            curve.apply(self._sub)
         self._pending: deque[Message] = deque()
         self._last: dict[tuple[str, str], int] = {}
         self._known_pubs: set[str] = set()  # publishers whose full topic list we have seen
@@ -125,6 +129,8 @@ class Subscriber:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.linger = 0
         dealer.maxmsgsize = self.limits.max_message_bytes
+        if self._curve is not None:
+            self._curve.apply(dealer)
         try:
             dealer.connect(self.state_endpoint)
             topics = None if self.topics is None else sorted(self.topics)

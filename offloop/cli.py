@@ -20,6 +20,7 @@ COMMANDS = {
                    "have a run write a checkpoint; prints its path and step"),
     "attach": ("attach", "add_arguments", "run", "watch a running job live in the terminal (read-only)"),
     "ls": ("ls", "add_arguments", "run", "list runs, live or finished, with their progress"),
+    "keys": ("keys", "add_arguments", "run", "create CURVE keys for a trainer and its clients"),
     "replay": ("replay", "add_arguments", "run", "feed a recording to callbacks, offline"),
 }
 

@@ -28,9 +28,9 @@ WORKER_ENTRY = "workers.runtime:serve_trainer_callback"
 log = logging.getLogger("offloop.trainer")
 
 
-def _child(entry: str, callback: Any, run_dir: str, conn) -> None:
+def _child(entry: str, callback: Any, run_dir: str, conn, keys: str | None) -> None:
     module, func = entry.split(":")
-    getattr(importlib.import_module(module), func)(callback, run_dir, conn)
+    getattr(importlib.import_module(module), func)(callback, run_dir, conn, keys)
 
 
 class _Worker:
@@ -46,8 +46,10 @@ class _Worker:
 class CallbackWorkers:
     """One process per callback; see the module docstring."""
 
-    def __init__(self, callbacks: list, run_dir: str, ready_timeout: float = 120.0) -> None:
+    def __init__(self, callbacks: list, run_dir: str, ready_timeout: float = 120.0,
+                 keys: str | None = None) -> None:
         self.callbacks = list(callbacks)
+        self.keys = keys  # the keys folder, when the run has keys: workers use its "workers" key
         self.run_dir = run_dir
         self.ready_timeout = ready_timeout
         self.workers: list[_Worker] = []
@@ -70,7 +72,7 @@ class CallbackWorkers:
                     f"(it must be picklable, and its class importable): {exc}"
                 ) from None
             parent, child = ctx.Pipe()
-            process = ctx.Process(target=_child, args=(WORKER_ENTRY, callback, self.run_dir, child),
+            process = ctx.Process(target=_child, args=(WORKER_ENTRY, callback, self.run_dir, child, self.keys),
                                   name=f"offloop-worker-{type(callback).__name__}", daemon=True)
             process.start()
             child.close()

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import zmq
 from torch import nn
 
 from bus import (
@@ -40,6 +41,7 @@ from bus import (
     write_run_info,
 )
 from bus.duration import DurationError
+from bus.security import SecurityError, check_exposure, generate_keys, load_server_keys
 from trainer import distributed
 from trainer.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from trainer.errors import CheckpointError, ConfigError, TrainerError
@@ -94,6 +96,8 @@ class Trainer:
         per_param_grad_norms: bool = False,
         hparams: Mapping[str, Any] | None = None,
         host: str = "127.0.0.1",
+        keys: str | os.PathLike | None = None,
+        insecure: bool = False,
         heartbeat_interval: float = 0.5,
         checkpoint_on_sigterm: bool = True,
         worker_shutdown_timeout: float = 60.0,
@@ -156,10 +160,20 @@ class Trainer:
 
         self.publisher: Publisher | None = None
         self.control: ControlServer | None = None
+        self.keys = Path(keys) if keys else None
+        self._server_keys = None
         if publish:
+            try:
+                self._server_keys = load_server_keys(keys) if keys else None
+                check_exposure(host, self._server_keys, insecure)
+                if keys:  # the trainer's own callback workers get a client key of their own
+                    generate_keys(keys, client="workers")
+            except SecurityError as exc:
+                raise ConfigError(str(exc)) from None
             self._start_bus(host, heartbeat_interval)
         self.emitter = Emitter(self.publisher, self.device)
-        self.workers = CallbackWorkers(callbacks or [], str(self.run_dir))
+        self.workers = CallbackWorkers(callbacks or [], str(self.run_dir),
+                                       keys=str(self.keys) if self.keys else None)
         self.worker_shutdown_timeout = worker_shutdown_timeout
         if callbacks and not publish:
             raise ConfigError("callbacks run in worker processes and need publish=True")
@@ -178,16 +192,20 @@ class Trainer:
     # ------------------------------------------------------------------ set-up
 
     def _start_bus(self, host: str, heartbeat_interval: float) -> None:
-        self.publisher = Publisher(self.run_id, rank=self.rank, host=host,
-                                   heartbeat_interval=heartbeat_interval)
+        self._context = zmq.Context()
+        keys = self._server_keys
+        self._authenticator = keys.start_authenticator(self._context) if keys else None
+        self.publisher = Publisher(self.run_id, rank=self.rank, host=host, context=self._context,
+                                   heartbeat_interval=heartbeat_interval, curve=keys)
         endpoints = self.publisher.start()
         ranks_endpoints = self._agreement.gather(dict(endpoints))
         if self.rank == 0:
-            self.control = ControlServer(host=host)
+            self.control = ControlServer(host=host, context=self._context, curve=keys)
             endpoints["control"] = self.control.start()
             info = RunInfo(self.run_id, self.run_name, os.getpid(), time.time(), endpoints,
                            host=socket.gethostname(), world_size=self.world_size,
-                           ranks=ranks_endpoints, extra={"config": self.config()})
+                           ranks=ranks_endpoints, extra={"config": self.config()},
+                           curve_public=keys.public.decode() if keys else "")
             write_run_info(self.run_dir, info)
             self.publisher.run_info = info.to_dict()
         self.publisher.set_config(self.config())
@@ -603,6 +621,10 @@ class Trainer:
         self.workers.stop()
         if self.control is not None:
             self.control.close()
+        if getattr(self, "_authenticator", None) is not None:
+            self._authenticator.stop()
+        if getattr(self, "_context", None) is not None:
+            self._context.term()
         if self.rank == 0 and self.publisher is not None:
             try:
                 ts = self.timestamp

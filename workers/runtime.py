@@ -27,6 +27,7 @@ from bus import (
     Subscriber,
     find_run,
 )
+from bus.security import client_keys_for, endpoint_keys
 from workers.callback import Callback
 from workers.logger import Logger, LoggerDestination
 from workers.state import State
@@ -68,8 +69,12 @@ class Worker:
         heartbeat_timeout: float = 10.0,
         join_timeout: float = 10.0,
         name: str | None = None,
+        keys: str | None = None,
+        key_name: str = "client",
     ) -> None:
-        self.info = run if isinstance(run, RunInfo) else find_run(run, runs_root)
+        self.info = run if isinstance(run, RunInfo) else find_run(
+            run, runs_root, curve=endpoint_keys(run, keys, key_name))
+        self.curve = client_keys_for(self.info, keys, key_name)
         self.callbacks = list(callbacks)
         self.disable_on_error = disable_on_error
         self.exit_on_fit_end = exit_on_fit_end
@@ -100,11 +105,11 @@ class Worker:
         endpoints = self.info.endpoints
         if "control" in endpoints:
             self._control = ControlClient(endpoints["control"],
-                                          client_id=f"{self.name}-{os.getpid()}")
+                                          client_id=f"{self.name}-{os.getpid()}", curve=self.curve)
         for callback in self.callbacks:
             callback._control = self._control
         self._sub = Subscriber(endpoints["events"], endpoints.get("state"), topics=self.topics(),
-                               heartbeat_timeout=self.heartbeat_timeout)
+                               heartbeat_timeout=self.heartbeat_timeout, curve=self.curve)
         joined = self._sub.connect(join_timeout=self.join_timeout)
         if joined is not None:
             self.state._apply_config(joined.config)
@@ -237,10 +242,11 @@ def _wanted(callback) -> frozenset[str] | None:
     return wanted() if wanted is not None else Callback.wanted_topics.__func__(type(callback))
 
 
-def serve_trainer_callback(callback, run_dir: str, conn) -> None:
+def serve_trainer_callback(callback, run_dir: str, conn, keys: str | None = None) -> None:
     """Entry point of a worker process the Trainer spawned for one of its callbacks."""
-    worker = Worker(run_dir, [callback], exit_on_fit_end=False, heartbeat_timeout=30.0)
     try:
+        worker = Worker(run_dir, [callback], exit_on_fit_end=False, heartbeat_timeout=30.0,
+                        keys=keys, key_name="workers")
         worker.connect()
     except Exception as exc:
         conn.send(("error", f"could not join the run: {exc}"))

@@ -8,6 +8,7 @@ it exits when the run ends. Never imports torch: startup stays well under a seco
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs-root", help="where run names are looked up (default $OFFLOOP_RUNS or ./runs)")
     parser.add_argument("--refresh", type=float, default=4.0, help="screen refreshes per second")
     parser.add_argument("--once", action="store_true", help="print the current state once and exit")
+    parser.add_argument("--keys", default=os.environ.get("OFFLOOP_KEYS"),
+                        help="keys folder (from `offloop keys`) for a run that has keys ($OFFLOOP_KEYS)")
+    parser.add_argument("--key-name", default="client", help="which client key pair in --keys")
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0,
                         help="seconds without a heartbeat before the run counts as gone")
 
@@ -167,16 +171,18 @@ def run(args: argparse.Namespace) -> int:
     from rich.live import Live
 
     from bus import BusError, Subscriber, find_run
+    from bus.security import client_keys_for, endpoint_keys
 
     try:
-        info = find_run(args.run, args.runs_root)
+        info = find_run(args.run, args.runs_root, curve=endpoint_keys(args.run, args.keys, args.key_name))
+        curve = client_keys_for(info, args.keys, args.key_name)
     except BusError as exc:
         abort(str(exc), 1)
     if info.finished:
         abort(f"run {info.run_name} has finished; `offloop ls` shows how it ended", 1)
     view = RunView(name=info.run_name, config=dict(info.extra.get("config", {})))
     sub = Subscriber(info.endpoints["events"], info.endpoints.get("state"), topics=TOPICS,
-                     heartbeat_timeout=args.heartbeat_timeout)
+                     heartbeat_timeout=args.heartbeat_timeout, curve=curve)
     try:
         joined = sub.connect(join_timeout=5)
     except BusError as exc:

@@ -27,6 +27,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="run directory, run name (under --runs-root) or state endpoint tcp://host:port")
     parser.add_argument("--runs-root", help="where run names are looked up (default $OFFLOOP_RUNS or ./runs)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the ack")
+    parser.add_argument("--keys", default=os.environ.get("OFFLOOP_KEYS"),
+                        help="keys folder (from `offloop keys`) for a run that has keys ($OFFLOOP_KEYS)")
+    parser.add_argument("--key-name", default="client", help="which client key pair in --keys")
 
 
 def run_halt(args: argparse.Namespace) -> int:
@@ -44,9 +47,11 @@ def run_checkpoint(args: argparse.Namespace) -> int:
 
 def _ask(args: argparse.Namespace, op: str, request_args: dict):
     from bus import BusError, ControlClient, ControlTimeout, find_run
+    from bus.security import client_keys_for, endpoint_keys
 
     try:
-        info = find_run(args.run, args.runs_root)
+        info = find_run(args.run, args.runs_root, curve=endpoint_keys(args.run, args.keys, args.key_name))
+        curve = client_keys_for(info, args.keys, args.key_name)
     except BusError as exc:
         abort(str(exc), 1)
     args.run_name = info.run_name
@@ -58,7 +63,7 @@ def _ask(args: argparse.Namespace, op: str, request_args: dict):
     if info.host == socket.gethostname() and "://" not in args.run and not _alive(info.pid):
         abort(f"run {info.run_name} is not running: its process {info.pid} is gone "
               "(it ended without marking run.json finished)", 1)
-    client = ControlClient(endpoint, client_id=f"cli-{socket.gethostname()}-{os.getpid()}")
+    client = ControlClient(endpoint, client_id=f"cli-{socket.gethostname()}-{os.getpid()}", curve=curve)
     try:
         ack = client.request(op, request_args, timeout=args.timeout)
     except ControlTimeout:

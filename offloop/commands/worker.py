@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from offloop.errors import abort
@@ -22,12 +23,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep calling a callback after it raised (default: disable it)")
     parser.add_argument("--stay", action="store_true",
                         help="stay after fit_end until the run closes its stream")
+    parser.add_argument("--keys", default=os.environ.get("OFFLOOP_KEYS"),
+                        help="keys folder (from `offloop keys`) for a run that has keys ($OFFLOOP_KEYS)")
+    parser.add_argument("--key-name", default="client", help="which client key pair in --keys")
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0,
                         help="seconds without a heartbeat before the trainer counts as gone")
 
 
 def run(args: argparse.Namespace) -> int:
     from bus import BusError, find_run
+    from bus.security import endpoint_keys
     from workers import Worker
     from workers.logger import ConsoleLogger, JSONLLogger, TensorBoardLogger
     from workers.spec import SpecError, build_callback, load_config
@@ -41,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     except SpecError as exc:
         abort(str(exc))
     try:
-        info = find_run(args.run, args.runs_root)
+        info = find_run(args.run, args.runs_root, curve=endpoint_keys(args.run, args.keys, args.key_name))
     except BusError as exc:
         abort(str(exc))
     if info.finished:
@@ -51,10 +56,10 @@ def run(args: argparse.Namespace) -> int:
         destinations.append(JSONLLogger(args.jsonl or config["jsonl"]))
     if args.tensorboard or config.get("tensorboard"):
         destinations.append(TensorBoardLogger(args.tensorboard or config["tensorboard"]))
-    worker = Worker(info, callbacks, destinations=destinations,
-                    disable_on_error=not args.keep_failing, exit_on_fit_end=not args.stay,
-                    heartbeat_timeout=args.heartbeat_timeout)
     try:
+        worker = Worker(info, callbacks, destinations=destinations,
+                        disable_on_error=not args.keep_failing, exit_on_fit_end=not args.stay,
+                        heartbeat_timeout=args.heartbeat_timeout, keys=args.keys, key_name=args.key_name)
         worker.connect()
     except BusError as exc:
         abort(f"cannot join run {info.run_name}: {exc}", 3)

@@ -69,7 +69,7 @@ def test_halt_stops_after_the_current_batch_and_closes_the_run(tmp_path):
     after = [topic for topic, ts, _ in events if ts[1] == 3]
     tail = after[after.index("batch_end"):]
     # Composer's stop_training: the batch finishes, its checkpoint event fires, then fit_end
-    assert tail == ["batch_end", "batch_checkpoint", "fit_end"]
+    assert tail == ["batch_end", "control_request", "batch_checkpoint", "fit_end"]
     assert events[-1][2]["stopped_by"]["reason"] == "test"
 
 
