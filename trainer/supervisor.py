@@ -40,6 +40,7 @@ class _Worker:
         self.ready = False
         self.fit_end_seen = False
         self.reported_dead = False
+        self.restarts = 0
         self.report: dict = {}
 
 
@@ -47,9 +48,13 @@ class CallbackWorkers:
     """One process per callback; see the module docstring."""
 
     def __init__(self, callbacks: list, run_dir: str, ready_timeout: float = 120.0,
-                 keys: str | None = None) -> None:
+                 keys: str | None = None, max_restarts: int = 3) -> None:
         self.callbacks = list(callbacks)
         self.keys = keys  # the keys folder, when the run has keys: workers use its "workers" key
+        self.max_restarts = max_restarts  # per worker; a restarted worker joins from the late-join state
+        self.restarts = 0
+        self._ctx = mp.get_context("spawn")
+        self._stopping = False
         self.run_dir = run_dir
         self.ready_timeout = ready_timeout
         self.workers: list[_Worker] = []
@@ -62,7 +67,6 @@ class CallbackWorkers:
         """Spawn every worker and return once each is listening (or has failed)."""
         if not self.callbacks:
             return
-        ctx = mp.get_context("spawn")
         for callback in self.callbacks:
             try:
                 pickle.dumps(callback)
@@ -71,12 +75,7 @@ class CallbackWorkers:
                     f"callback {type(callback).__name__} cannot be sent to its worker process "
                     f"(it must be picklable, and its class importable): {exc}"
                 ) from None
-            parent, child = ctx.Pipe()
-            process = ctx.Process(target=_child, args=(WORKER_ENTRY, callback, self.run_dir, child, self.keys),
-                                  name=f"offloop-worker-{type(callback).__name__}", daemon=True)
-            process.start()
-            child.close()
-            self.workers.append(_Worker(callback, process, parent))
+            self.workers.append(self._spawn(callback))
         deadline = time.monotonic() + self.ready_timeout
         while not all(w.ready or not w.process.is_alive() for w in self.workers):
             left = deadline - time.monotonic()
@@ -90,6 +89,26 @@ class CallbackWorkers:
                                         name="offloop-supervisor")
         self._thread.start()
 
+    def _spawn(self, callback: Any) -> _Worker:
+        parent, child = self._ctx.Pipe()
+        process = self._ctx.Process(target=_child, args=(WORKER_ENTRY, callback, self.run_dir, child, self.keys),
+                                    name=f"offloop-worker-{type(callback).__name__}", daemon=True)
+        process.start()
+        child.close()
+        return _Worker(callback, process, parent)
+
+    def _restart(self, worker: _Worker) -> None:
+        """Start a fresh process for a worker that died; it carries on from the late-join state."""
+        if self._stopping or worker.restarts >= self.max_restarts:
+            return
+        fresh = self._spawn(worker.callback)
+        fresh.restarts = worker.restarts + 1
+        with self._lock:
+            self.workers[self.workers.index(worker)] = fresh
+            self.restarts += 1
+        log.warning("offloop: restarted callback worker %s (pid %s, restart %d of %d)",
+                    fresh.name, fresh.process.pid, fresh.restarts, self.max_restarts)
+
     def _receive(self, timeout: float) -> None:
         conns = [w.conn for w in self.workers if not w.conn.closed]
         sentinels = [w.process.sentinel for w in self.workers if w.process.is_alive()]
@@ -101,6 +120,8 @@ class CallbackWorkers:
                     self._drain(worker)
                     if not worker.fit_end_seen:
                         self._dead(worker, f"exited with code {worker.process.exitcode}")
+                        if worker.ready:
+                            self._restart(worker)
 
     def _message(self, worker: _Worker) -> None:
         try:
@@ -152,6 +173,7 @@ class CallbackWorkers:
 
     def stop(self, timeout: float = 10.0) -> None:
         """After the stream has closed: let workers exit, then end the ones that do not."""
+        self._stopping = True
         self._stop.set()
         deadline = time.monotonic() + timeout
         for worker in self.workers:
