@@ -81,3 +81,30 @@ def test_a_crashing_callback_never_stops_training_or_its_neighbours(tmp_path):
     trainer.close()
     assert trainer.timestamp.batch == 12
     assert json.loads(counts.read_text()) == {"batch_end": 12}
+
+
+def test_load_eval_and_predict_fire_their_events_in_order(tmp_path):
+    first = Trainer(mlp(), loader(16, 8), "1ep", loss_fn=torch.nn.functional.cross_entropy,
+                    run_dir=tmp_path / "first", publish=False)
+    first.fit()
+    checkpoint = first.save_checkpoint(tag="start")
+    record = tmp_path / "events.json"
+    trainer = Trainer(
+        mlp(), loader(16, 8), "2ep", loss_fn=torch.nn.functional.cross_entropy,
+        eval_dataloader=loader(16, 8, shuffle=False), load_path=checkpoint,
+        eval_metrics=torchmetrics.classification.MulticlassAccuracy(num_classes=3),
+        callbacks=[Recorder(str(record))], run_dir=tmp_path / "run",
+    )
+    results = trainer.eval()
+    outputs = trainer.predict(loader(16, 8, shuffle=False))
+    trainer.close()
+    topics = [topic for topic, _ in json.loads(record.read_text())]
+    per_eval = ["eval_batch_start", "eval_before_forward", "eval_after_forward", "eval_batch_end"]
+    per_predict = ["predict_batch_start", "predict_before_forward", "predict_after_forward",
+                   "predict_batch_end"]
+    assert topics == ["init", "before_load", "after_load",
+                      "eval_standalone_start", "eval_start", *per_eval * 2, "eval_end", "eval_standalone_end",
+                      "predict_start", *per_predict * 2, "predict_end"]
+    assert trainer.timestamp.batch == 2  # resumed from the checkpoint's step
+    assert 0.0 <= results["eval"]["MulticlassAccuracy"] <= 1.0 and "loss" in results["eval"]
+    assert len(outputs) == 2 and outputs[0].shape == (8, 3)
