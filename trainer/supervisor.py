@@ -157,14 +157,17 @@ class CallbackWorkers:
                 return
             self._receive(timeout=0.5)
 
-    def wait_for_fit_end(self, timeout: float) -> None:
-        """Give every live worker until `timeout` to report it has handled fit_end."""
+    def wait_for_fit_end(self, timeout: float, while_waiting=None) -> None:
+        """Give every live worker until `timeout` to report it has handled fit_end;
+        `while_waiting` runs meanwhile (the trainer answers late control requests)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
                 pending = [w for w in self.workers if w.process.is_alive() and not w.fit_end_seen]
             if not pending:
                 return
+            if while_waiting is not None:
+                while_waiting()
             time.sleep(0.02)
         for worker in self.workers:
             if worker.process.is_alive() and not worker.fit_end_seen:

@@ -142,7 +142,7 @@ class Trainer:
         self.run_name = run_name or (Path(run_dir).name if run_dir else
                                      f"run-{time.strftime('%Y%m%d-%H%M%S')}-{self.run_id[:6]}")
         self.run_dir = Path(run_dir) if run_dir else Path(os.environ.get("OFFLOOP_RUNS", "runs")) / self.run_name
-        self.save_folder = Path(save_folder) if save_folder else self.run_dir / "checkpoints"
+        self.save_folder = (Path(save_folder) if save_folder else self.run_dir / "checkpoints").absolute()
         self.hparams = dict(hparams or {})
         self.stopped_by: dict[str, Any] | None = None
         self.checkpoints: list[str] = []
@@ -535,7 +535,7 @@ class Trainer:
                 batch_loss = self._loss(outputs, batch).detach() * _batch_size(batch)
                 loss_sum = batch_loss if loss_sum is None else loss_sum + batch_loss
                 count += _batch_size(batch)
-                data: dict[str, Any] = {"dataloader_label": label}
+                data: dict[str, Any] = {"dataloader_label": label, "loss": batch_loss / _batch_size(batch)}
                 if self.publish_eval_outputs:
                     data["outputs"], data["targets"] = outputs.detach(), targets.detach()
                     inputs = _pair(batch)[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
@@ -612,10 +612,8 @@ class Trainer:
             return
         self._closed = True
         if self.workers.workers:
-            self.workers.wait_for_fit_end(self.worker_shutdown_timeout)
-        if self.control is not None:
-            for request in self.control.poll():
-                request.refuse("the run has finished", step=self.timestamp.batch)
+            self.workers.wait_for_fit_end(self.worker_shutdown_timeout, while_waiting=self._answer_late)
+        self._answer_late()
         if self.publisher is not None:
             self.publisher.close(linger=0.3)
         self.workers.stop()
@@ -633,6 +631,18 @@ class Trainer:
                               stopped_by=self.stopped_by, checkpoints=self.checkpoints)
             except Exception as exc:  # never fail a finished run over its run.json
                 log.warning("offloop: could not mark %s finished: %s", self.run_dir, exc)
+
+    def _answer_late(self) -> None:
+        """Requests that come after training stopped: a checkpoint is still written (of
+        the final weights) and acked; a halt is refused — nothing is left to stop."""
+        if self.control is None:
+            return
+        for request in self.control.poll():
+            if request.op == "checkpoint" and self.rank == 0 and self.world_size == 1:
+                self._pending_ckpts, self._ckpts_due = [request], 1
+                self._save_requested("after_fit")
+            else:
+                request.refuse("the run has finished", step=self.timestamp.batch)
 
     def __enter__(self) -> Trainer:
         return self
