@@ -28,13 +28,27 @@ class Emitter:
         self.wants = publisher.wants if publisher is not None else (lambda topic: False)
 
     def emit(self, topic: str, ts: tuple, data: dict | None = None) -> None:
-        """Publish now, or once this snapshot's tensors have left the GPU."""
-        if self.publisher is None or not self.publisher.wants(topic):
+        """Publish a snapshot of plain values (no tensors): the hot path, kept to one
+        membership test when nobody wants the topic."""
+        publisher = self.publisher
+        if publisher is None or topic not in publisher._wanted:
+            return
+        if self._waiting:
+            self._waiting.append((topic, ts, data or {}, None))  # behind staged snapshots
+            self.poll()
+        else:
+            publisher.publish(topic, ts, data)
+
+    def emit_tensors(self, topic: str, ts: tuple, data: dict) -> None:
+        """Publish a snapshot holding tensors: now on the CPU (0-d ones as numbers), or
+        once its tensors have left the GPU."""
+        publisher = self.publisher
+        if publisher is None or topic not in publisher._wanted:
             return
         if self.cuda:
-            self._emit_staged(topic, ts, data or {})
+            self._emit_staged(topic, ts, data)
         else:
-            self.publisher.publish(topic, ts, _host_values(data) if data else data)
+            publisher.publish(topic, ts, _host_values(data))
 
     def _emit_staged(self, topic: str, ts: tuple, data: dict) -> None:
         staged, copied = _stage(data)

@@ -256,6 +256,7 @@ class Trainer:
         ts = self.timestamp
         self.emitter.emit(E.FIT_START, ts.as_tuple(), {"config": self.config()})
         self.model.train()
+        self._named_params = list(self.model.named_parameters())
         while not self._stop and not self.max_duration.reached(ts):
             if ts.epoch_in_iteration == 0 and ts.batch_in_epoch == 0:
                 self.emitter.emit(E.ITERATION_START, ts.as_tuple())
@@ -324,14 +325,14 @@ class Trainer:
                 if self.grad_accum > 1:
                     loss = loss * (_batch_size(micro) / size)
             if wants(E.AFTER_LOSS):
-                emit(E.AFTER_LOSS, now, {"microbatch": i, "loss": loss.detach()})
+                self.emitter.emit_tensors(E.AFTER_LOSS, now, {"microbatch": i, "loss": loss.detach()})
             emit(E.BEFORE_BACKWARD, now, {"microbatch": i})
             loss.backward()
             emit(E.AFTER_BACKWARD, now, {"microbatch": i})
             total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
         last = (micro, outputs)
         if wants(E.AFTER_TRAIN_BATCH):
-            emit(E.AFTER_TRAIN_BATCH, now, self._grad_snapshot(total_loss))
+            self.emitter.emit_tensors(E.AFTER_TRAIN_BATCH, now, self._grad_snapshot(total_loss))
         for opt in self.optimizers:
             opt.step()
         for scheduler in self.schedulers:
@@ -339,7 +340,7 @@ class Trainer:
         ts.next_batch(size, self.num_tokens_fn(batch) if self.num_tokens_fn else 0)
         now = ts.as_tuple()
         if wants(E.BATCH_END):
-            emit(E.BATCH_END, now, self._batch_end_snapshot(total_loss, size, batch, last))
+            self.emitter.emit_tensors(E.BATCH_END, now, self._batch_end_snapshot(total_loss, size, batch, last))
         self._poll_control()
         if self._eval_every_batch:
             self._run_evaluators(TimeUnit.BATCH)
@@ -369,7 +370,7 @@ class Trainer:
 
     def _grad_snapshot(self, loss: torch.Tensor | None) -> dict[str, Any]:
         """Global gradient L2 norm, computed on the device (no sync); per-parameter opt-in."""
-        named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        named = [(n, p.grad) for n, p in self._named_params if p.grad is not None]
         if not named:
             return {"grad_norm": None, "loss": loss}
         norms = torch._foreach_norm([g.detach() for _, g in named])
@@ -511,7 +512,7 @@ class Trainer:
         ts = self.timestamp.as_tuple()
         self.emitter.emit(E.EVAL_BEFORE_ALL, ts)
         results = {label: self._evaluate(label, self.eval_dataloaders[label]) for label in due}
-        self.emitter.emit(E.EVAL_AFTER_ALL, ts, {"metrics": results})
+        self.emitter.emit_tensors(E.EVAL_AFTER_ALL, ts, {"metrics": results})
         self.model.train()
 
     def _evaluate(self, label: str, loader: Iterable) -> dict[str, Any]:
@@ -541,11 +542,11 @@ class Trainer:
                     inputs = _pair(batch)[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
                     if isinstance(inputs, torch.Tensor):
                         data["inputs"] = inputs.detach()
-                emit(E.EVAL_BATCH_END, ts, data)
+                self.emitter.emit_tensors(E.EVAL_BATCH_END, ts, data)
         metrics = {name: metric.compute() for name, metric in self.eval_metrics.items()}
         if loss_sum is not None:
             metrics["loss"] = loss_sum / max(count, 1)
-        emit(E.EVAL_END, ts, {"dataloader_label": label, "metrics": metrics})
+        self.emitter.emit_tensors(E.EVAL_END, ts, {"dataloader_label": label, "metrics": metrics})
         return metrics
 
     def _eval_forward(self, batch: Any) -> Any:
@@ -570,7 +571,7 @@ class Trainer:
         ts = self.timestamp.as_tuple()
         self.emitter.emit(E.EVAL_STANDALONE_START, ts)
         results = {label: self._evaluate(label, loader) for label, loader in loaders.items()}
-        self.emitter.emit(E.EVAL_STANDALONE_END, ts, {"metrics": results})
+        self.emitter.emit_tensors(E.EVAL_STANDALONE_END, ts, {"metrics": results})
         self.emitter.flush()
         return {label: {k: _scalar(v) for k, v in m.items()} for label, m in results.items()}
 
