@@ -224,6 +224,7 @@ class Trainer:
             "eval_dataloaders": {k: _len(v) for k, v in self.eval_dataloaders.items()},
             "world_size": self.world_size,
             "device": str(self.device),
+            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "precision": self.precision,
             "grad_accum": self.grad_accum,
             "seed": self.seed,
@@ -795,7 +796,7 @@ def _cuda_memory(device: torch.device) -> dict[str, int]:
 
 def _describe_optimizer(opt: torch.optim.Optimizer) -> dict[str, Any]:
     group = opt.param_groups[0] if opt.param_groups else {}
-    return {"name": type(opt).__name__,
+    return {"name": type(opt).__name__, "param_groups": len(opt.param_groups),
             **{k: v for k, v in group.items() if isinstance(v, (int, float, str, bool))}}
 
 
