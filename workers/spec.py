@@ -87,6 +87,15 @@ def build_callback(spec: str | dict) -> Any:
         raise SpecError(f"{name}: {exc}") from None
 
 
+def callbacks_from(specs: list[str], config_path: str | None) -> tuple[dict[str, Any], list]:
+    """The config file's callbacks, then the command line's, built in that order."""
+    config = load_config(config_path) if config_path else {}
+    specs = list(config.get("callbacks", [])) + list(specs)
+    if not specs:
+        raise SpecError("no callbacks given: name at least one, or pass --config")
+    return config, [build_callback(spec) for spec in specs]
+
+
 def load_config(path: str | Path) -> dict[str, Any]:
     """A worker config file (JSON, or TOML on Python 3.11+): {"callbacks": [...], ...}."""
     path = Path(path)

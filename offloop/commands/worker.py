@@ -35,14 +35,10 @@ def run(args: argparse.Namespace) -> int:
     from bus.security import endpoint_keys
     from workers import Worker
     from workers.logger import ConsoleLogger, JSONLLogger, TensorBoardLogger
-    from workers.spec import SpecError, build_callback, load_config
+    from workers.spec import SpecError, callbacks_from
 
     try:
-        config = load_config(args.config) if args.config else {}
-        specs = list(config.get("callbacks", [])) + list(args.callbacks)
-        if not specs:
-            abort("no callbacks given: name at least one, or pass --config")
-        callbacks = [build_callback(spec) for spec in specs]
+        config, callbacks = callbacks_from(args.callbacks, args.config)
     except SpecError as exc:
         abort(str(exc))
     try:
