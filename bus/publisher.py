@@ -283,6 +283,10 @@ class Publisher:
             identity, body = frames[0].bytes, frames[-1]
             try:
                 request = decode_request(body, self.limits)
+                topics = request.get("topics")
+                if topics is not None and not (isinstance(topics, list)
+                                               and all(isinstance(t, str) for t in topics)):
+                    raise WireError("request field 'topics' must be a list of strings or nil")
             except WireError as exc:
                 self.bad_requests += 1
                 router.send_multipart([identity, encode_reply("error", error=str(exc))])
@@ -298,7 +302,7 @@ class Publisher:
                 self._beat(heartbeat)
                 self._track_subscriptions(heartbeat)
                 time.sleep(_SUBSCRIPTION_SETTLE)
-                router.send_multipart([identity, *self._state_frames(request.get("topics"))],
+                router.send_multipart([identity, *self._state_frames(topics)],
                                       copy=False)
             elif kind == "info_req":
                 router.send_multipart([identity, encode_reply("info", run=self.run_info)])

@@ -227,7 +227,7 @@ class Subscriber:
             self.stats.malformed += 1
             return
         self._last_heard = time.monotonic()
-        if msg.kind == "hb":
+        if msg.topic == HEARTBEAT_TOPIC:  # not msg.kind: an event's kind field is only a string
             self.stats.heartbeats += 1
             self._latest_beat = max(self._latest_beat, msg.data.get("beat", 0))
             self.publisher_drops = msg.data.get("drops", 0)

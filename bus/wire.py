@@ -437,7 +437,7 @@ def _decode_body(frame, schemas: dict, limits: Limits, what: str) -> dict:
         raise WireError(f"{what} is {len(data)} bytes, the limit is {limits.max_body_bytes}")
     body = _unpack(data, limits)
     kind = body.get("k") if isinstance(body, dict) else None
-    if kind not in schemas:
+    if not isinstance(kind, str) or kind not in schemas:  # an unhashable kind must not raise TypeError
         raise WireError(f"{what} kind {kind!r} is not one of {sorted(schemas)}")
     return _require(body, schemas[kind], what)
 

@@ -59,10 +59,22 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from None
+        # torch.save reports a failed write (disk full: EFBIG, ENOSPC) as a RuntimeError
+        # raised while handling the OSError; find the OSError to refuse cleanly.
+        cause = _os_error(exc) if isinstance(exc, Exception) else None  # not KeyboardInterrupt
+        if cause is not None:
+            raise CheckpointError(f"cannot write checkpoint {path}: {cause.strerror or cause}") from None
         raise
     return path
+
+
+def _os_error(exc: BaseException | None) -> OSError | None:
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OSError):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """torch.distributed helpers: rank and world size, and the one CPU collective per batch
-by which every rank agrees on control decisions (rank 0 decides, gloo carries it)."""
+by which every rank agrees on control decisions (any rank may ask, gloo carries it)."""
 
 from __future__ import annotations
 
@@ -33,11 +33,13 @@ def init_from_env() -> bool:
 
 
 class ControlAgreement:
-    """Broadcasts rank 0's decision (halt, checkpoints to save) as a small CPU tensor.
+    """Agrees on (halt, checkpoints to save) with one all-reduce (MAX) of a small CPU tensor.
 
-    Every rank calls `agree()` at the same point of every batch, so no rank waits in
-    a collective the others never enter. It runs on a gloo group even when training
-    uses nccl, so it never touches a GPU stream.
+    Rank 0 holds the control requests, but any rank may have reasons of its own (a
+    SIGTERM delivered to that rank alone): whatever one rank asks for, every rank does,
+    at the same batch. Every rank calls `agree()` at the same point of every batch, so
+    no rank waits in a collective the others never enter. It runs on a gloo group even
+    when training uses nccl, so it never touches a GPU stream.
     """
 
     def __init__(self) -> None:
@@ -50,7 +52,7 @@ class ControlAgreement:
         if not self.active:
             return halt, checkpoints
         self._flags[0], self._flags[1] = int(halt), checkpoints
-        dist.broadcast(self._flags, src=0, group=self._group)
+        dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, group=self._group)
         return bool(self._flags[0]), int(self._flags[1])
 
     def gather(self, obj):

@@ -463,8 +463,9 @@ class Trainer:
         """Write a checkpoint now (rank 0 writes; every rank must call it at the same step)."""
         ts = self.timestamp
         name = filename or f"ep{ts.epoch}-ba{ts.batch}" + (f"-{tag}" if tag else "") + ".pt"
-        rngs = self._agreement.gather(rng_state())
-        path = self.save_folder / name
+        # one collective on every rank (never inside `if rank == 0`); rank 0's name wins
+        states = self._agreement.gather((name, rng_state(), self._epoch_rng))
+        path = self.save_folder / states[0][0]
         if self.rank == 0:
             model = getattr(self.model, "module", self.model)
             save_checkpoint(path, {
@@ -473,8 +474,8 @@ class Trainer:
                 "optimizers": [o.state_dict() for o in self.optimizers],
                 "schedulers": [s.state_dict() for s in self.schedulers],
                 "timestamp": ts.state_dict(),
-                "rng": rngs,
-                "epoch_rng": self._agreement.gather(self._epoch_rng),
+                "rng": [rng for _, rng, _ in states],
+                "epoch_rng": [epoch_rng for _, _, epoch_rng in states],
                 "seed": self.seed,
                 "run_name": self.run_name,
             })
@@ -832,7 +833,8 @@ def _install_sigterm(trainer: Trainer) -> None:
                 previous(signum, frame)
             raise SystemExit(128 + signum)
         trainer._sigterm = True
-        trainer._stop = True  # fit() ends after this batch, checkpoints, closes and exits
+        if not trainer._agreement.active:  # under torchrun the ranks agree at the next batch end
+            trainer._stop = True  # fit() ends after this batch, checkpoints, closes and exits
         if not trainer._in_fit:
             trainer.close()
             raise SystemExit(128 + signum)

@@ -37,6 +37,7 @@ BUILTINS: dict[str, str] = {
     "ClassificationMetricsCallback": "metrics",
     # offloop's own
     "Recorder": "recorder",
+    "PrometheusExporter": "prometheus",
 }
 
 __all__ = sorted(BUILTINS)

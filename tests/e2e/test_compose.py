@@ -1,0 +1,127 @@
+"""docker-compose.yml: valid for Compose, and its topology working end to end.
+
+No Docker engine runs here, so the smoke test runs each of the project's own services'
+commands as local processes with the file's environment (tests/helpers/compose_local.py
+says what is mapped), and Debian's Prometheus with deploy/prometheus.yml's scrape job.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+from helpers.compose_local import ROOT, LocalService, compose_config, read_yaml, wait_until
+from helpers.prometheus_server import Prometheus, free_port, scrape
+
+PROJECT_SERVICES = ["keys", "trainer", "monitor", "stopper", "exporter"]
+
+
+def _prometheus_job(config: dict) -> dict:
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "offloop"]
+    return job
+
+
+def test_compose_file_is_valid_and_keeps_the_trainer_on_the_compose_network():
+    config, _ = compose_config()
+    services = config["services"]
+    assert set(services) == {*PROJECT_SERVICES, "prometheus", "grafana"}
+    for name in PROJECT_SERVICES:
+        assert services[name]["image"] == "offloop:latest" and services[name]["build"]["context"] == str(ROOT)
+    trainer = services["trainer"]
+    assert "ports" not in trainer, "the trainer must not publish its sockets on the host"
+    assert list(trainer["networks"]) == ["bus"] and config["networks"]["bus"]["internal"] is True
+    host = trainer["command"][trainer["command"].index("--host") + 1]
+    assert host == "trainer", "the trainer binds its compose-network address only"
+    assert services["keys"]["network_mode"] == "none"
+    for name in ("prometheus", "grafana"):
+        assert all(p.startswith("127.0.0.1:") for p in services[name]["ports"]), services[name]["ports"]
+
+    # the exporter's port and Prometheus's target agree
+    exporter = " ".join(services["exporter"]["command"])
+    port = re.search(r"PrometheusExporter\(port=(\d+)", exporter).group(1)
+    prometheus = read_yaml((ROOT / "deploy/prometheus.yml").read_text())
+    assert _prometheus_job(prometheus)["static_configs"][0]["targets"] == [f"exporter:{port}"]
+
+    gpu, _ = compose_config("docker-compose.yml", "deploy/compose.gpu.yml")
+    devices = gpu["services"]["trainer"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"]
+
+    # Dockerfile's torch is the one the Makefile pins; promtool accepts the scrape config
+    pin = re.search(r"^TORCH_PIN := torch==(\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert f"ARG TORCH_VERSION={pin}\n" in (ROOT / "Dockerfile").read_text()
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool ships with Debian's prometheus: run `make system-deps`"
+    checked = subprocess.run([promtool, "check", "config", "--syntax-only", str(ROOT / "deploy/prometheus.yml")],
+                             capture_output=True, text=True, timeout=30)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_compose_topology_trains_monitors_halts_exports_and_is_scraped(tmp_path):
+    exporter_port = free_port()
+    config, _ = compose_config(env={"OFFLOOP_EXPORTER_PORT": str(exporter_port)})
+    services = config["services"]
+    volumes = {name: tmp_path / "volumes" / name for name in config["volumes"]}
+    for folder in volumes.values():
+        folder.mkdir(parents=True)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    local = {name: LocalService(name, services[name], list(services), volumes, logs)
+             for name in PROJECT_SERVICES}
+
+    # Prometheus with the file's scrape job; its targets, service:port, mapped like the rest
+    prometheus_config = read_yaml((ROOT / "deploy/prometheus.yml").read_text())
+    job = _prometheus_job(prometheus_config)
+    (target,) = job["static_configs"][0]["targets"]
+    assert target.split(":")[0] == "exporter"
+    job["static_configs"][0]["targets"] = [f"127.0.0.1:{exporter_port}"]
+
+    runs = volumes["runs"]
+    try:
+        with Prometheus(tmp_path / "prometheus", json.dumps(prometheus_config)) as prom:
+            assert services["trainer"]["depends_on"]["keys"]["condition"] == "service_completed_successfully"
+            assert local["keys"].start().wait(timeout=30) == 0, local["keys"].output()
+            local["trainer"].start()
+            for name in ("monitor", "stopper", "exporter"):
+                assert services[name]["depends_on"]["trainer"]["condition"] == "service_started"
+                local[name].start()
+
+            metrics = wait_until(lambda: _try_scrape(exporter_port), 45, "the exporter never served /metrics")
+            assert 'offloop_step{rank="0",run="demo"}' in metrics
+
+            code = local["trainer"].wait(timeout=55)
+            assert code == 0, local["trainer"].output()
+            for name in ("monitor", "stopper", "exporter"):
+                assert local[name].wait(timeout=25) == 0, f"{name}:\n{local[name].output()}"
+
+            info = json.loads((runs / "demo" / "run.json").read_text())
+            final = info["extra"]["progress"]["batch"]
+            scraped = prom.wait_for('max_over_time(offloop_step{job="offloop", run="demo"}[10m])',
+                                    lambda r: r and float(r[0]["value"][1]) == final, timeout=10)
+            assert scraped
+            up = prom.query('max_over_time(up{job="offloop"}[10m])')
+            assert up and up[0]["value"][1] == "1"
+    finally:
+        for service in local.values():
+            service.stop()
+
+    # the trainer used the keys the keys service made, on the address it was given
+    assert info["curve_public"] and sorted(p.name for p in (volumes["keys"] / "authorized").iterdir()) == [
+        "exporter.key", "monitor.key", "stopper.key", "workers.key"]
+    assert all(e.startswith("tcp://127.0.0.1:") for e in info["endpoints"].values()), info["endpoints"]
+    # the stopper service halted the run (not the demo's own, slower, early stopper)
+    stopped_by = info["extra"]["stopped_by"]
+    assert stopped_by and stopped_by["client"] == f"EarlyStopper-{local['stopper'].proc.pid}", stopped_by
+    # the monitor received: progress on its console, metrics in its JSONL log
+    assert "Starting epoch" in local["monitor"].output()
+    lines = [json.loads(x) for x in (runs / "demo" / "monitor-metrics.jsonl").read_text().splitlines()]
+    assert any("MulticlassAccuracy" in line for line in lines), lines
+
+
+def _try_scrape(port: int) -> str | None:
+    try:
+        text = scrape(f"http://127.0.0.1:{port}/metrics", timeout=1)
+    except OSError:
+        return None
+    return text if "offloop_step{" in text else None

@@ -1,0 +1,492 @@
+"""Bad input: random and mutated bytes at a training run's control socket, at a
+publisher's state socket, and from a rogue publisher into a subscriber. Nothing
+crashes, nothing reaches the trainer, every bad message is counted; oversized ones are
+dropped by libzmq before any decoding. Figures: `pytest -s`, quoted in docs/reliability.md."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, TensorDataset
+
+import bus.control
+from bus import ControlClient, Publisher, Subscriber, WireError
+from bus.wire import EventEncoder, decode_event, decode_request, encode_heartbeat, encode_request
+from trainer import Trainer
+
+EXAMPLES = 3000
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                suppress_health_check=list(HealthCheck))
+
+
+def report(case: str, **figures) -> None:
+    """The figures docs/reliability.md quotes; shown with `pytest -s`."""
+    print(json.dumps({"case": case, **figures}))
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.001)
+
+
+# ------------------------------------------------------------------------- mutations
+
+MUTATIONS = ("flip", "set", "insert", "delete", "truncate", "append", "dup")
+
+
+@st.composite
+def mutate(draw, data: bytes) -> bytes:
+    """One to four byte-level edits of `data`."""
+    out = bytearray(data)
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(MUTATIONS))
+        if not out:
+            out += b"\x00"
+        pos = draw(st.integers(0, len(out) - 1))
+        if kind == "flip":
+            out[pos] ^= 1 << draw(st.integers(0, 7))
+        elif kind == "set":
+            out[pos] = draw(st.sampled_from([0x00, 0x7F, 0x80, 0xC1, 0xC0, 0xCC, 0xD9, 0xDC,
+                                             0xDD, 0xDE, 0xDF, 0xFF, 0x90, 0x9A, 0xA0]))
+        elif kind == "insert":
+            out[pos:pos] = draw(st.binary(min_size=1, max_size=8))
+        elif kind == "delete":
+            del out[pos : pos + draw(st.integers(1, 8))]
+        elif kind == "truncate":
+            del out[pos:]
+        elif kind == "append":
+            out += draw(st.binary(min_size=1, max_size=16))
+        else:
+            end = min(len(out), pos + draw(st.integers(1, 16)))
+            out[pos:pos] = out[pos:end]
+    return bytes(out)
+
+
+SCALARS = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+           | st.text(max_size=12) | st.binary(max_size=12))
+ANY = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
+                   | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=5)
+
+# hand-written nasties: deep nesting, lengths that promise more than is there, ext types
+# (a tensor descriptor where none is allowed), non-string keys, a body of nothing
+NASTIES = [
+    b"", b"\x00", b"\xc1", b"\x91" * 5000 + b"\xc0", b"\xdd\xff\xff\xff\xff",
+    b"\xdf\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff",
+    msgpack.packb({1: 2}), msgpack.packb(msgpack.ExtType(1, msgpack.packb([1, "float32", [1]]))),
+    msgpack.packb({"v": 1, "k": "ctl", "client": "c", "req": 1, "op": "halt",
+                   "args": msgpack.ExtType(1, b"\x93\x01\xa7float32\x91\x01")}),
+    msgpack.packb([1] * 100_001), msgpack.packb({"v": 2, "k": "ctl"}), b"\x80" * 64,
+]
+NASTY = st.integers(0, len(NASTIES) - 1).map(NASTIES.__getitem__)  # by index: short reprs
+
+
+# -------------------------------------------------------------- the control socket
+
+VALID_OPS = st.sampled_from(["halt", "checkpoint"])
+REQUESTS = st.builds(
+    lambda client, req, op, text: encode_request(
+        "ctl", client=client, req=req, op=op,
+        args={"reason": text} if op == "halt" else {"tag": text}, t=1.0),
+    st.text(max_size=12), st.integers(0, 2**40), VALID_OPS, st.text(max_size=12))
+UNKNOWN_OPS = st.builds(  # few keys, so that retries of refused requests come up too
+    lambda client, req, op: encode_request("ctl", client=client, req=req, op=op, args={}, t=1.0),
+    st.sampled_from(["a", "b"]), st.integers(0, 9),
+    st.text(max_size=8).filter(lambda op: op not in ("halt", "checkpoint")))
+STRUCTURED_REQUESTS = st.fixed_dictionaries(
+    {"v": st.just(1) | ANY, "k": st.sampled_from(["ctl", "state_req", "info_req", "ack"]) | ANY},
+    optional={"client": st.text(max_size=8) | ANY, "req": st.integers(0, 99) | ANY,
+              "op": st.sampled_from(["halt", "checkpoint", "fly", ""]) | ANY,
+              "args": st.dictionaries(st.text(max_size=6), ANY, max_size=3) | ANY, "t": ANY},
+).map(msgpack.packb)
+CONTROL_INPUTS = st.one_of(
+    st.binary(max_size=300).map(lambda b: [b]),
+    REQUESTS.flatmap(mutate).map(lambda b: [b]),
+    STRUCTURED_REQUESTS.map(lambda b: [b]),
+    UNKNOWN_OPS.map(lambda b: [b]),
+    NASTY.map(lambda b: [b]),
+    st.lists(st.binary(max_size=40) | REQUESTS, min_size=2, max_size=4),  # not one frame
+)
+
+
+def expected_at_the_control_server(frames: list[bytes], refused_keys: set) -> str | None:
+    """What the server must do with one DEALER message: 'malformed', 'refused' (a readable
+    request for an op that does not exist), 'duplicate' (a retry of one refused before), or
+    None for a valid halt or checkpoint request, which this test does not send."""
+    if len(frames) != 1:
+        return "malformed"
+    try:
+        body = decode_request(frames[0])
+    except WireError:
+        return "malformed"
+    if body["k"] != "ctl":
+        return "malformed"
+    if body["op"] in ("halt", "checkpoint"):
+        return None
+    return "duplicate" if (body["client"], body["req"]) in refused_keys else "refused"
+
+
+class Loading(TensorDataset):
+    """Each batch spends 2 ms loading (as from disk), so the training thread leaves the
+    interpreter to the control thread now and then, as a real data pipeline does."""
+
+    def __getitem__(self, index):
+        if index % 8 == 0:
+            time.sleep(0.002)
+        return super().__getitem__(index)
+
+
+@contextlib.contextmanager
+def training(tmp_path):
+    """A real Trainer training in a thread (until halted), its control poll() recorded."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, 8, generator=gen)
+    trainer = Trainer(torch.nn.Linear(8, 3), DataLoader(Loading(x, (x[:, 0] > 0).long()),
+                                                        batch_size=8),
+                      "10000000ba", loss_fn=torch.nn.functional.cross_entropy,
+                      run_dir=tmp_path / "run")
+    polled: list = []
+    real_poll = trainer.control.poll
+
+    def recording_poll():
+        got = real_poll()
+        polled.extend(got)
+        return got
+
+    trainer.control.poll = recording_poll
+    fit = threading.Thread(target=trainer.fit, daemon=True)
+    fit.start()
+    try:
+        wait_until(lambda: trainer.timestamp.batch >= 5, 60, "training to start")
+        yield trainer, polled
+        assert not trainer._stop and trainer.stopped_by is None and not trainer.checkpoints
+        # the server thread is alive and a valid request is applied and acknowledged
+        at = trainer.timestamp.batch
+        with ControlClient(trainer.control.endpoint) as client:
+            ack = client.halt("valid, after the fuzz", timeout=60)
+        assert ack.ok and ack.result["step"] > at  # training went on throughout
+        fit.join(60)
+        assert not fit.is_alive() and trainer.stopped_by["reason"] == "valid, after the fuzz"
+        assert [(r.op, r.args) for r in polled] == [("halt", {"reason": "valid, after the fuzz"})]
+    finally:
+        if fit.is_alive():
+            trainer._stop = True
+            fit.join(30)
+        trainer.close()
+
+
+@pytest.mark.timeout(300)  # thousands of examples; ~20-60 s on a busy 2-core machine
+def test_random_and_mutated_control_messages_are_counted_and_never_reach_the_trainer(tmp_path):
+    with training(tmp_path) as (trainer, polled):
+        server = trainer.control
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.connect(server.endpoint)
+        refused_keys: set = set()
+        tried = {"malformed": 0, "refused": 0, "duplicate": 0, "valid, not sent": 0}
+
+        @FUZZ
+        @given(CONTROL_INPUTS)
+        @example([msgpack.packb({"v": 1, "k": []})])  # an unhashable kind once killed the server
+        def one(frames):
+            expect = expected_at_the_control_server(frames, refused_keys)
+            if expect is None:
+                tried["valid, not sent"] += 1
+                return
+            assert server._thread.is_alive(), "the control server thread died"
+            before = dataclasses.replace(server.stats)
+            dealer.send_multipart(frames)
+            if len(frames) == 1:  # a one-frame message is answered: an error, or a refusal
+                assert dealer.poll(10_000), "the control server stopped answering"
+                reply = msgpack.unpackb(dealer.recv())
+                assert reply["k"] == ("error" if expect == "malformed" else "ack")
+                assert reply["k"] == "error" or reply["ok"] is False
+            else:
+                wait_until(lambda: server.stats.malformed > before.malformed, 10,
+                           "the server to count a multi-frame message")
+            after = server.stats
+            assert after.malformed == before.malformed + (expect == "malformed")
+            assert after.refused == before.refused + (expect == "refused")
+            assert after.duplicates == before.duplicates + (expect == "duplicate")
+            assert after.received == before.received + (expect != "malformed")
+            assert after.acked == 0 and polled == []  # nothing reached the trainer
+            if expect == "refused":
+                body = decode_request(frames[0])
+                refused_keys.add((body["client"], body["req"]))
+            tried[expect] += 1
+
+        one()
+        dealer.close()
+        ctx.term()
+        sent = tried["malformed"] + tried["refused"] + tried["duplicate"]
+        assert sent >= EXAMPLES * 0.9 and tried["malformed"] >= EXAMPLES * 0.8
+        stats = server.stats
+        assert stats.malformed == tried["malformed"]
+        assert stats.refused == tried["refused"] and stats.duplicates == tried["duplicate"]
+        report("control_fuzz", examples=sum(tried.values()), sent=sent, **tried,
+               counted_malformed=stats.malformed, counted_refused=stats.refused,
+               counted_duplicates=stats.duplicates, reached_trainer=len(polled))
+
+
+def test_an_oversized_control_message_is_dropped_before_decoding_and_valid_requests_still_work(
+        tmp_path, monkeypatch):
+    decoded: list[int] = []
+    real_decode = bus.control.decode_request
+
+    def counting_decode(frame, limits=bus.control.DEFAULT_LIMITS):
+        decoded.append(len(frame))
+        return real_decode(frame, limits)
+
+    monkeypatch.setattr(bus.control, "decode_request", counting_decode)
+    with training(tmp_path) as (trainer, polled):
+        server = trainer.control
+        limit = server.limits.max_body_bytes
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        events = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        dealer.connect(server.endpoint)
+        assert events.poll(30_000) and _event(events) == zmq.EVENT_CONNECTED
+
+        # at the limit: read, decoded, refused as malformed and answered
+        dealer.send(b"\xc1" * limit)
+        assert dealer.poll(30_000) and msgpack.unpackb(dealer.recv())["k"] == "error"
+        assert server.stats.malformed == 1 and decoded == [limit]
+
+        # one byte over: libzmq drops the connection; no byte of it reaches Python
+        dealer.send(encode_request("ctl", client="big", req=1, op="halt",
+                                   args={"reason": "x" * limit}, t=1.0))
+        assert events.poll(30_000) and _event(events) == zmq.EVENT_DISCONNECTED
+        assert server.stats.malformed == 1 and server.stats.received == 0 and decoded == [limit]
+        assert polled == [] and not trainer._stop
+        dealer.disable_monitor()
+        events.close(linger=0)
+        dealer.close()
+        ctx.term()
+        report("control_oversized", limit=limit, at_limit_counted_malformed=1,
+               over_limit_decoded=len(decoded) - 1, over_limit_counted=server.stats.malformed - 1)
+    # leaving `training` sent a valid halt and checked it was acked and applied
+
+
+def _event(monitor: zmq.Socket) -> int:
+    from zmq.utils.monitor import recv_monitor_message
+
+    return recv_monitor_message(monitor)["event"]
+
+
+# ------------------------------------------------------------------ a rogue publisher
+
+ENCODER = EventEncoder("fuzz-run", "fuzz", 0)
+SENTINELS = EventEncoder("sentinel-run", "SENTINEL-0123456789abcdef", 0)
+
+
+def _event_frames(topic: str, data: dict) -> list[bytes]:
+    return [bytes(f) for f in ENCODER.encode(topic, 7, 7, (1, 2, 3, 4, 5), data)]
+
+
+BASE_EVENTS = [
+    _event_frames("batch_end", {"loss": 0.5, "lr": [0.1], "batch_size": 8}),
+    _event_frames("eval_batch_end", {"outputs": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+                                     "targets": np.arange(3, dtype=np.int64)}),
+    _event_frames("after_train_batch", {"grad_norm": torch.tensor(1.5)}),
+    [encode_heartbeat("fuzz-run", "fuzz", 0, 9, {"batch_end": 7}, 0, 0.5, 3)],
+]
+EVENT_FIELD = st.sampled_from([1, "ev", "hb", "fuzz-run", "fuzz", 0, 7, 1.0, [1, 2, 3, 4, 5], {}]) | ANY
+
+
+@st.composite
+def mutated_event(draw) -> list[bytes]:
+    frames = list(draw(st.sampled_from(BASE_EVENTS)))
+    for _ in range(draw(st.integers(1, 3))):
+        what = draw(st.sampled_from(["bytes", "bytes", "bytes", "drop", "add", "swap"]))
+        i = draw(st.integers(0, len(frames) - 1))
+        if what == "bytes":
+            frames[i] = draw(mutate(frames[i]))
+        elif what == "drop" and len(frames) > 1:
+            del frames[i]
+        elif what == "add":
+            frames.insert(draw(st.integers(1, len(frames))), draw(st.binary(max_size=64)))
+        elif what == "swap":
+            frames[0], frames[i] = frames[i], frames[0]
+    return frames
+
+
+VALID_EVENT = [1, "ev", "fuzz-run", "fuzz", 0, 7, 7, 1.0, [1, 2, 3, 4, 5], {"loss": 0.5}]
+VALID_HEARTBEAT = msgpack.unpackb(BASE_EVENTS[-1][0][4:])
+
+
+@st.composite
+def retyped(draw) -> list[bytes]:
+    """A well-formed event or heartbeat body with one or two fields of another type or
+    value, one field too many or too few, under an event or the heartbeat topic."""
+    if draw(st.booleans()):
+        body = list(VALID_EVENT)
+        for _ in range(draw(st.integers(1, 2))):
+            body[draw(st.integers(0, 9))] = draw(EVENT_FIELD)
+        if draw(st.integers(0, 5)) == 0:
+            body = body[:-1] if draw(st.booleans()) else [*body, draw(EVENT_FIELD)]
+        if draw(st.integers(0, 5)) == 0:
+            body[8] = draw(st.lists(EVENT_FIELD, max_size=6))
+    else:
+        body = dict(VALID_HEARTBEAT)
+        for _ in range(draw(st.integers(1, 2))):
+            key = draw(st.sampled_from(sorted(body)))
+            if draw(st.booleans()):
+                del body[key]
+            else:
+                body[key] = draw(EVENT_FIELD)
+    topic = draw(st.sampled_from([b"batch_end", b"_hb", b"fit_end"]))
+    return [topic + b"\0" + msgpack.packb(body)]
+
+
+STRUCTURED_EVENTS = st.builds(
+    lambda topic, body: [topic + b"\0" + msgpack.packb(body)],
+    st.sampled_from([b"batch_end", b"_hb", b"fit_end"]),
+    st.lists(EVENT_FIELD, min_size=9, max_size=11) | ANY,
+)
+ROGUE_INPUTS = st.one_of(
+    st.lists(st.binary(max_size=200), min_size=1, max_size=4),
+    mutated_event(),
+    retyped(),
+    STRUCTURED_EVENTS,
+    NASTY.map(lambda b: [b"batch_end\0" + b]),
+    st.just([b"batch_end\0" + b"\x90" * (4 << 20)]),  # past the body limit: refused by size
+)
+
+
+@pytest.mark.timeout(300)  # thousands of examples; ~20-60 s on a busy 2-core machine
+def test_random_and_mutated_messages_from_a_rogue_publisher_are_counted_not_fatal():
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.PUB)
+    rogue.sndhwm = 0
+    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", heartbeat_timeout=60, context=ctx)
+    sub._sub.subscribe(b"")  # everything the rogue sends; no join (the rogue has no state socket)
+    sub._sub.connect(f"tcp://127.0.0.1:{port}")
+    sent = {"n": 0}
+
+    def send_sentinel() -> None:
+        sent["n"] += 1
+        n = sent["n"]
+        rogue.send_multipart(SENTINELS.encode("predict_end", n, n, (0, 0, 0, 0, 0), {"n": n}))
+
+    def sentinel() -> None:
+        """Send an event the subscriber must deliver next (after anything valid that came
+        before it): PUB/SUB keeps order, so once it is out, every earlier message was read."""
+        send_sentinel()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            msg = sub.recv(timeout=0.5)
+            if msg is not None and msg.pub == SENTINELS.pub:
+                assert msg.tseq == sent["n"], "a sentinel was lost or reordered"
+                return
+        raise AssertionError("the subscriber stopped delivering")
+
+    # ZeroMQ's slow joiner: until the subscription reaches the PUB socket, it drops
+    deadline = time.monotonic() + 30
+    while (msg := sub.recv(timeout=0.2)) is None:
+        assert time.monotonic() < deadline, "the subscriber never received the rogue's events"
+        send_sentinel()
+    while msg.tseq < sent["n"]:  # the ones still in flight
+        msg = sub.recv(timeout=30)
+        assert msg is not None
+    first = sent["n"] + 1
+    tried = {"bad": 0, "valid": 0, "valid final heartbeat, not sent": 0}
+
+    @FUZZ
+    @given(ROGUE_INPUTS)
+    # an event whose kind field says "hb" was once taken for a heartbeat and crashed recv()
+    @example([b"batch_end\0" + msgpack.packb([1, "hb", "r", "p", 0, 1, 1, 1.0, [0, 0, 0, 0, 0], {}])])
+    def one(frames):
+        try:
+            msg = decode_event(frames)
+        except WireError:
+            msg = None
+        if msg is not None and msg.topic == "_hb" and msg.data.get("final"):
+            tried["valid final heartbeat, not sent"] += 1  # it would (rightly) end the stream
+            return
+        before = sub.stats.malformed
+        rogue.send_multipart(frames)
+        sentinel()
+        assert sub.stats.malformed == before + (msg is None)
+        tried["bad" if msg is None else "valid"] += 1
+
+    one()
+    stats = sub.stats
+    sub.close()
+    rogue.close(linger=0)
+    ctx.term()
+    assert tried["bad"] >= EXAMPLES * 0.8 and stats.malformed == tried["bad"]
+    assert stats.gaps_by_topic.get("predict_end", 0) == 0
+    report("rogue_publisher_fuzz", examples=sum(tried.values()), **tried, counted_malformed=stats.malformed,
+           sentinels_delivered=sent["n"] - first + 1)
+
+
+# ------------------------------------------------------------ the publisher's state socket
+
+STATE_INPUTS = st.one_of(
+    st.binary(max_size=300),
+    st.sampled_from([encode_request("state_req", topics=["batch_end"]), encode_request("info_req")])
+    .flatmap(mutate),
+    STRUCTURED_REQUESTS,
+    NASTY,
+)
+
+
+def test_bad_requests_at_the_state_socket_are_counted_and_heartbeats_keep_flowing():
+    pub = Publisher("fuzz-state", heartbeat_interval=0.1)
+    pub.start()
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.connect(pub.endpoints["state"])
+    tried = {"bad": 0, "valid": 0}
+    try:
+        @settings(FUZZ, max_examples=1000)
+        @given(STATE_INPUTS)
+        @example(encode_request("state_req", topics=[["x"]]))  # once killed the service thread
+        def one(body):
+            try:
+                request = decode_request(body)
+            except WireError:
+                request = {"k": None}
+            topics = request.get("topics")
+            valid = request["k"] in ("state_req", "info_req") and (
+                topics is None or isinstance(topics, list) and all(isinstance(t, str) for t in topics))
+            assert pub._threads[1].is_alive(), "the publisher's service thread died"
+            before = pub.bad_requests
+            dealer.send(body)
+            assert dealer.poll(10_000), "the state socket stopped answering"
+            frames = dealer.recv_multipart()
+            kind = msgpack.unpackb(frames[0])["k"]
+            assert kind == ("error" if not valid else ("state", "info")[kind == "info"])
+            assert pub.bad_requests == before + (not valid)
+            tried["valid" if valid else "bad"] += 1
+
+        one()
+        beats = pub.beats
+        wait_until(lambda: pub.beats >= beats + 2, 30, "heartbeats after the fuzz")
+        sub = Subscriber(pub.endpoints["events"], pub.endpoints["state"], topics=["batch_end"],
+                         context=ctx)
+        assert sub.connect(join_timeout=30) is not None  # a late joiner still gets its state
+        sub.close()
+    finally:
+        dealer.close()
+        ctx.term()
+        pub.close(linger=0.1)
+    assert pub.bad_requests == tried["bad"] and tried["bad"] >= 800
+    report("state_socket_fuzz", examples=sum(tried.values()), **tried, counted_bad_requests=pub.bad_requests)
