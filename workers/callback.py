@@ -183,6 +183,12 @@ class Callback:
 
     # ------------------------------------------------------------ subscribing
 
+    #: Events this callback does not handle but whose fields it reads through `state`
+    #: (say `{"batch_end"}` for `state.loss` in an `epoch_end` method): the worker
+    #: subscribes to them too. Only the run's low-rate events (init, fit_start,
+    #: eval_end, fit_end) are always received.
+    state_topics: frozenset[str] = frozenset()
+
     @classmethod
     def wanted_topics(cls) -> frozenset[str] | None:
         """The topics this callback handles; None means every one (run_event overridden)."""
@@ -191,4 +197,4 @@ class Callback:
         return frozenset(
             name for name in RUN_TOPICS
             if getattr(cls, name, None) is not getattr(Callback, name, None)
-        )
+        ) | frozenset(cls.state_topics)

@@ -93,7 +93,7 @@ class Worker:
         self._recorders = [c for c in self.callbacks if getattr(c, "records_messages", False)]
 
     def topics(self) -> frozenset[str] | None:
-        wanted: set[str] = {"init", "fit_start", "fit_end", "eval_end", "batch_end"}  # keep State current
+        wanted: set[str] = {"init", "fit_start", "fit_end", "eval_end"}  # low-rate: keep State current
         for callback in self.callbacks:
             topics = _wanted(callback)
             if topics is None:

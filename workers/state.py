@@ -8,7 +8,6 @@ callbacks written for Composer read it unchanged. Assigning to it raises.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 from bus import Event, Message, Time
@@ -20,6 +19,10 @@ __all__ = ["State", "Timestamp", "ReadOnlyStateError"]
 
 class ReadOnlyStateError(AttributeError):
     """A callback tried to change the State."""
+
+
+_READ_ONLY = ("State is read-only: workers observe the run. To change it, ask the trainer "
+              "with self.halt(reason) or self.request_checkpoint(tag) from your callback.")
 
 
 @dataclass(frozen=True)
@@ -37,20 +40,38 @@ class Timestamp:
         return getattr(self, unit.counter)
 
 
-_READ_ONLY = ("State is read-only: workers observe the run. To change it, ask the trainer "
-              "with self.halt(reason) or self.request_checkpoint(tag) from your callback.")
+def _timestamp_is_read_only(self, name: str, value: Any = None) -> None:
+    raise ReadOnlyStateError(f"cannot set state.timestamp.{name}: {_READ_ONLY}")
+
+
+# after @dataclass, which refuses a __setattr__ defined in a frozen class's body
+Timestamp.__setattr__ = _timestamp_is_read_only
+Timestamp.__delattr__ = _timestamp_is_read_only
+
+
+class FrozenDict(dict):
+    """A dict inside `state` (metrics, memory, stopped_by, …): readable, JSON- and
+    msgpack-serializable like any dict, but every change raises ReadOnlyStateError,
+    because the callbacks of one worker share one State."""
+
+    def _refuse(self, *args: Any, **kwargs: Any):
+        raise ReadOnlyStateError(f"cannot change a dict in state: {_READ_ONLY}")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    clear = pop = popitem = setdefault = update = _refuse
 
 
 def _plain(value: Any) -> Any:
-    """Wire values as callbacks want them: 0-d tensors as numbers, others as torch tensors."""
+    """Wire values as callbacks want them: 0-d tensors as numbers, others as torch tensors;
+    dicts frozen and lists as tuples, so nothing in `state` can be changed in place."""
     if isinstance(value, TensorFrame):
         if value.shape == ():
             return value.to_torch().item()
         return value.to_torch()
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return FrozenDict({k: _plain(v) for k, v in value.items()})
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return tuple(_plain(v) for v in value)
     return value
 
 
@@ -60,10 +81,10 @@ class State:
     def __init__(self) -> None:
         values = {
             "event": None, "timestamp": Timestamp(), "run_name": "", "run_id": "",
-            "max_duration": None, "config": MappingProxyType({}), "loss": None, "lr": (),
-            "batch_size": None, "grad_norm": None, "param_grad_norms": MappingProxyType({}),
-            "memory": MappingProxyType({}), "eval_metrics": MappingProxyType({}),
-            "dataloader_label": None, "outputs": None, "targets": None, "data": MappingProxyType({}),
+            "max_duration": None, "config": FrozenDict({}), "loss": None, "lr": (),
+            "batch_size": None, "grad_norm": None, "param_grad_norms": FrozenDict({}),
+            "memory": FrozenDict({}), "eval_metrics": FrozenDict({}),
+            "dataloader_label": None, "outputs": None, "targets": None, "data": FrozenDict({}),
             "rank": 0, "wall_time": 0.0, "dataloader_len": None, "world_size": 1,
             "last_checkpoint": None, "stopped_by": None, "gaps": 0, "samples": None, "flops": None,
         }
@@ -88,7 +109,7 @@ class State:
             max_duration = Time.parse(config["max_duration"]) if config.get("max_duration") else None
         except DurationError:
             max_duration = None
-        self._set(config=MappingProxyType(dict(config)), run_name=config.get("run_name", self.run_name),
+        self._set(config=FrozenDict(dict(config)), run_name=config.get("run_name", self.run_name),
                   run_id=config.get("run_id", self.run_id), max_duration=max_duration,
                   dataloader_len=config.get("dataloader_len"),
                   world_size=config.get("world_size", 1))
@@ -101,7 +122,7 @@ class State:
         except ValueError:
             event = None
         self._set(event=event, timestamp=Timestamp(*msg.ts), rank=msg.rank, wall_time=msg.t,
-                  data=MappingProxyType(data))
+                  data=FrozenDict(data))
         if "config" in data and isinstance(data["config"], dict):
             self._apply_config(data["config"])
         handler = _UPDATES.get(msg.topic)
@@ -112,17 +133,17 @@ class State:
     def _batch_end(self, data: dict) -> None:
         self._set(loss=data.get("loss"), lr=tuple(data.get("lr") or ()),
                   batch_size=data.get("batch_size"),
-                  memory=MappingProxyType(data.get("memory") or {}),
+                  memory=FrozenDict(data.get("memory") or {}),
                   samples=data.get("samples"), flops=data.get("flops"))
 
     def _after_train_batch(self, data: dict) -> None:
         self._set(grad_norm=data.get("grad_norm"),
-                  param_grad_norms=MappingProxyType(data.get("param_grad_norms") or {}))
+                  param_grad_norms=FrozenDict(data.get("param_grad_norms") or {}))
 
     def _eval_end(self, data: dict) -> None:
         label = data.get("dataloader_label", "eval")
-        self._metrics[label] = MappingProxyType(dict(data.get("metrics") or {}))
-        self._set(eval_metrics=MappingProxyType(dict(self._metrics)), dataloader_label=label)
+        self._metrics[label] = FrozenDict(dict(data.get("metrics") or {}))
+        self._set(eval_metrics=FrozenDict(dict(self._metrics)), dataloader_label=label)
 
     def _eval_batch_end(self, data: dict) -> None:
         self._set(outputs=data.get("outputs"), targets=data.get("targets"),

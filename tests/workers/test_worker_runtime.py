@@ -40,12 +40,22 @@ class Boom(Callback):
 class Mutator(Callback):
     def __init__(self):
         self.error = None
+        self.nested_errors: list[str] = []
 
     def batch_end(self, state, logger):
         try:
             state.loss = 0.0
         except ReadOnlyStateError as exc:
             self.error = str(exc)
+        changes = (lambda: state.memory.__setitem__("max_rss_bytes", 0),
+                   lambda: state.data.update(loss=0.0),
+                   lambda: state.config.pop("run_name"),
+                   lambda: setattr(state.timestamp, "batch", 0))
+        for change in changes:
+            try:
+                change()
+            except ReadOnlyStateError as exc:
+                self.nested_errors.append(str(exc))
 
 
 def test_callbacks_run_sequentially_in_the_order_given(tmp_path):
@@ -76,6 +86,8 @@ def test_state_is_read_only_with_a_clear_error(tmp_path):
     run_with_worker([mutator], tmp_path, max_duration="2ba")
     assert mutator.error.startswith("cannot set state.loss: State is read-only")
     assert "self.halt(reason)" in mutator.error
+    assert len(mutator.nested_errors) == 2 * 4  # every nested change refused, on both batches
+    assert all("State is read-only" in error for error in mutator.nested_errors)
 
 
 def test_worker_subscribes_only_to_what_its_callbacks_implement(tmp_path):
@@ -91,7 +103,13 @@ def test_worker_subscribes_only_to_what_its_callbacks_implement(tmp_path):
 
     info = RunInfo("x", "x", os.getpid(), 0.0, {"events": "tcp://127.0.0.1:1"})
     assert "epoch_start" in Worker(info, [EpochOnly()]).topics()
-    assert "after_forward" not in Worker(info, [EpochOnly()]).topics()
+    assert Worker(info, [EpochOnly()]).topics() == {"epoch_start", "init", "fit_start", "eval_end",
+                                                    "fit_end"}  # no per-batch event
+
+    class EpochReadsLoss(EpochOnly):
+        state_topics = frozenset({"batch_end"})
+
+    assert "batch_end" in Worker(info, [EpochReadsLoss()]).topics()
     assert Worker(info, [EpochOnly(), Everything()]).topics() is None
 
 
