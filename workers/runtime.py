@@ -91,6 +91,7 @@ class Worker:
         self._gaps_by_topic: dict[str, int] = {}
         # callbacks that keep the raw wire frames of every event (the Recorder)
         self._recorders = [c for c in self.callbacks if getattr(c, "records_messages", False)]
+        self._timing_keys = _timing_keys(self.callbacks)
 
     def topics(self) -> frozenset[str] | None:
         wanted: set[str] = {"init", "fit_start", "fit_end", "eval_end"}  # low-rate: keep State current
@@ -174,7 +175,7 @@ class Worker:
             except Exception:
                 self._failed(index, callback, msg.topic)
             finally:
-                spent = self.stats.seconds[type(callback).__name__]
+                spent = self.stats.seconds[self._timing_keys[index]]
                 spent[msg.topic] = spent.get(msg.topic, 0.0) + time.perf_counter() - start
         return event
 
@@ -223,7 +224,9 @@ class Worker:
                 callback.close(self.state, self.logger)
             except Exception:
                 self._failed(index, callback, "close")
-        for callback in self.callbacks:
+        for index, callback in enumerate(self.callbacks):
+            if index in self.disabled:  # like close(): a disabled callback is not called again
+                continue
             try:
                 callback.post_close()
             except Exception:
@@ -235,6 +238,17 @@ class Worker:
             self._sub.close()
         if self._control is not None:
             self._control.close()
+
+
+def _timing_keys(callbacks: list) -> list[str]:
+    """Each callback's key in the time counters: its class name, numbered (`Name#2`)
+    from the second callback of the same class on."""
+    keys, seen = [], {}
+    for callback in callbacks:
+        name = type(callback).__name__
+        seen[name] = seen.get(name, 0) + 1
+        keys.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return keys
 
 
 def _wanted(callback) -> frozenset[str] | None:

@@ -288,6 +288,17 @@ def test_early_stopping_halts_at_the_reference_epoch(tmp_path, script, options, 
     assert_halted_at_ack(trainer, callback.halt_ack, stop_epoch * BATCHES, 10 * BATCHES)
 
 
+def test_early_stopping_watches_the_train_loss_with_no_eval_dataloader(tmp_path):
+    # the train loss falls every epoch, so with greater_is_better it never improves: the first
+    # epoch's value is the best, the second is one epoch without improvement (patience 1)
+    callback = bounded(EarlyStoppingCallback(watch_metric="train_loss_epoch", greater_is_better=True,
+                                             early_stopping_patience=1, early_stopping_threshold=0.0))
+    trainer, _ = run_with_worker([callback], tmp_path, max_duration="10ep", eval_dataloader=None)
+    assert callback.stopped_epoch == 2 and callback.stopped_step == 2 * BATCHES
+    assert callback.early_stopping_patience_counter == 1
+    assert_halted_at_ack(trainer, callback.halt_ack, 2 * BATCHES, 10 * BATCHES)
+
+
 def test_early_stopping_at_the_final_evaluation_has_nothing_left_to_halt(tmp_path):
     callback = bounded(EarlyStoppingCallback(watch_metric="ScriptedScore"))
     trainer, _ = run_with_worker([callback], tmp_path, max_duration="2ep",
@@ -368,8 +379,8 @@ def test_move_modules_to_device_refuses_to_be_created_and_says_why():
 
 
 def test_wanted_topics_are_the_overridden_hooks_and_the_run_history():
-    assert EarlyStoppingCallback.hook_topics() == {"fit_start", "eval_end"}
-    assert EarlyStoppingCallback.wanted_topics() == {"fit_start", "eval_end"} | RUN_HISTORY_TOPICS
+    assert EarlyStoppingCallback.hook_topics() == {"fit_start", "epoch_checkpoint"}
+    assert EarlyStoppingCallback.wanted_topics() == {"fit_start", "epoch_checkpoint"} | RUN_HISTORY_TOPICS
     assert TerminateOnNaNCallback.hook_topics() == {"fit_start", "batch_end", "eval_batch_end", "eval_end"}
     assert "batch_start" not in ProgressBarCallback.wanted_topics()
     assert HookRecorder.hook_topics() == set(HOOKS) - {"eval_standalone_start", "eval_standalone_end"}

@@ -31,10 +31,17 @@ class Tracer(Callback):
 class Boom(Callback):
     def __init__(self):
         self.calls = 0
+        self.closed = False
 
     def batch_end(self, state, logger):
         self.calls += 1
         raise ValueError("boom")
+
+    def close(self, state, logger):
+        self.closed = True
+
+    def post_close(self):
+        self.closed = True
 
 
 class Mutator(Callback):
@@ -72,12 +79,13 @@ def test_a_failing_callback_is_disabled_with_event_and_traceback_and_the_others_
     assert "callback Boom raised on event batch_end (disabled" in err
     assert "ValueError: boom" in err and "Traceback" in err
     assert boom.calls == 1 and len(log) == 4 and worker.stats.errors == 1
+    assert not boom.closed  # disabled: neither close() nor post_close() is called
 
 
 def test_failing_callback_can_be_kept(tmp_path, capsys):
     boom = Boom()
     run_with_worker([boom], tmp_path, max_duration="3ba", worker_kw={"disable_on_error": False})
-    assert boom.calls == 3
+    assert boom.calls == 3 and boom.closed
     assert capsys.readouterr().err.count("raised on event batch_end (kept") == 3
 
 
@@ -128,10 +136,13 @@ def test_composer_docs_example_runs_unchanged_but_for_the_import(tmp_path, capsy
 
 def test_worker_counts_events_and_time_per_callback_and_event(tmp_path):
     log = MemoryLog()
-    _, worker = run_with_worker([Tracer("t", [])], tmp_path, max_duration="3ba", destinations=[log])
+    _, worker = run_with_worker([Tracer("t", []), Tracer("u", [])], tmp_path, max_duration="3ba",
+                                destinations=[log])
     stats = worker.stats.as_dict()
     assert stats["events"] >= 3 and stats["gaps"] == 0
-    assert set(stats["seconds"]["Tracer"]) == {"batch_end"}
+    # two callbacks of one class are timed apart
+    assert set(stats["seconds"]) == {"Tracer", "Tracer#2"}
+    assert set(stats["seconds"]["Tracer"]) == set(stats["seconds"]["Tracer#2"]) == {"batch_end"}
 
 
 def test_specs_are_parsed_safely():

@@ -769,7 +769,8 @@ def _check_watch(watch_metric: Any, greater_is_better: Any, reset_on_train: Any)
 class SaveBestModelCallback(TrainerCallback):
     """Keeps the best model of a training run by `watch_metric`.
 
-    On each improvement (the first value counts as one) it asks the trainer for a checkpoint
+    At the end of each epoch (`on_training_run_epoch_end`, after the epoch's evaluation, as
+    pytorch-accelerated does), on an improvement (the first value counts as one) it asks the trainer for a checkpoint
     tagged 'best' and links (or copies) the file the ack names to `save_path`, worker-side
     (a relative `save_path` is relative to the worker's working directory). It records
     `best_metric`, `best_metric_epoch`, `best_metric_step` (the step evaluated), and for the
@@ -804,7 +805,7 @@ class SaveBestModelCallback(TrainerCallback):
         if self.reset_on_train:
             self.best_metric = self.best_metric_epoch = self.best_metric_step = None
 
-    def on_eval_epoch_end(self, trainer, **kwargs):
+    def on_training_run_epoch_end(self, trainer, **kwargs):
         current = _new_value(self, trainer, self.watch_metric)
         if current is None:
             return
@@ -861,7 +862,9 @@ def _link_or_copy(source: Path, target: Path) -> None:
 class EarlyStoppingCallback(TrainerCallback):
     """Stops training when `watch_metric` stops improving; pytorch-accelerated's semantics.
 
-    Patience counts evaluations (epochs, with the default eval interval) that brought a new
+    It decides once per epoch, after the epoch's training and evaluation
+    (`on_training_run_epoch_end`, as pytorch-accelerated does), so it can watch
+    `train_loss_epoch` with no eval dataloader. Patience counts epochs that brought a new
     value of `watch_metric` without an improvement of more than `early_stopping_threshold`
     (an absolute change) over the best value so far; the first value is the first best. When
     the count reaches `early_stopping_patience`, it raises StopTrainingError, so the worker
@@ -895,7 +898,7 @@ class EarlyStoppingCallback(TrainerCallback):
             self.best_metric = None
             self.early_stopping_patience_counter = 0
 
-    def on_eval_epoch_end(self, trainer, **kwargs):
+    def on_training_run_epoch_end(self, trainer, **kwargs):
         current = _new_value(self, trainer, self.watch_metric)
         if current is None:
             return
