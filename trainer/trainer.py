@@ -154,6 +154,7 @@ class Trainer:
         self._pending_ckpts: list = []
         self._pending_halts: list = []
         self._sigterm = False
+        self._sigterm_saved = False
         self._ckpts_due = 0
         self.checkpoint_on_sigterm = checkpoint_on_sigterm
         self._agreement = distributed.ControlAgreement()
@@ -180,8 +181,7 @@ class Trainer:
         if self.rank == 0:
             self.workers.start()  # every worker listens before init is published
         atexit.register(self.close)
-        if checkpoint_on_sigterm:
-            _install_sigterm(self)
+        _install_sigterm(self)  # fit_end always; checkpoint_on_sigterm decides the checkpoint
 
         self.emitter.emit(E.INIT, self.timestamp.as_tuple(), {"config": self.config()})
         if load_path is not None:
@@ -246,6 +246,14 @@ class Trainer:
         self._in_fit = True
         try:
             self._fit_loop()
+            if self._sigterm and self.stopped_by is None:  # came after the last control poll
+                self.stopped_by = {"reason": "SIGTERM", "client": "signal", "step": self.timestamp.batch}
+            if self._sigterm and self.checkpoint_on_sigterm and not self._sigterm_saved \
+                    and not self._agreement.active:
+                # SIGTERM came after the last batch boundary (in an evaluation, say):
+                # nothing saved it yet. Under torchrun the ranks agreed at a boundary.
+                self._ckpts_due = 1
+                self._save_requested("fit_end")
         finally:
             self._in_fit = False
             self._finish_fit()
@@ -433,19 +441,18 @@ class Trainer:
             return
         self._ckpts_due = 0
         requests, self._pending_ckpts = self._pending_ckpts, []
+        # due with no request here: a SIGTERM asked for it, on this rank or (torchrun) another
         tags = [_safe_name(str(r.args.get("tag", ""))) for r in requests] or ["sigterm"]
         tag = "-".join(t for t in tags if t)
-        filename = next((r.args["filename"] for r in requests if r.args.get("filename")), None)
+        filename = next((str(r.args["filename"]) for r in requests if r.args.get("filename")), None)
         try:
-            if filename is not None and _safe_name(str(filename)) != filename:
-                raise CheckpointError(f"checkpoint filename {filename!r} must be a plain file name "
-                                      "(letters, digits, '.', '-', '_')")
             path = self.save_checkpoint(tag=tag, filename=filename)
         except CheckpointError as exc:
             for request in requests:
                 request.refuse(str(exc), step=self.timestamp.batch)
             log.warning("offloop: %s; training goes on", exc)
             return
+        self._sigterm_saved = self._sigterm_saved or self._sigterm
         for request in requests:
             request.ack(path=str(path), step=self.timestamp.batch, event=where)
         self.emitter.emit(CHECKPOINT_SAVED, self.timestamp.as_tuple(),
@@ -463,9 +470,14 @@ class Trainer:
         """Write a checkpoint now (rank 0 writes; every rank must call it at the same step)."""
         ts = self.timestamp
         name = filename or f"ep{ts.epoch}-ba{ts.batch}" + (f"-{tag}" if tag else "") + ".pt"
-        # one collective on every rank (never inside `if rank == 0`); rank 0's name wins
+        # one collective on every rank (never inside `if rank == 0`); rank 0's name wins, and
+        # every rank judges it after the gather, so all refuse a bad one alike
         states = self._agreement.gather((name, rng_state(), self._epoch_rng))
-        path = self.save_folder / states[0][0]
+        name = states[0][0]
+        if _safe_name(name) != name:
+            raise CheckpointError(f"checkpoint filename {name!r} must be a plain file name "
+                                  "(letters, digits, '.', '-', '_')")
+        path = self.save_folder / name
         if self.rank == 0:
             model = getattr(self.model, "module", self.model)
             save_checkpoint(path, {

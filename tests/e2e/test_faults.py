@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from helpers.fault_callbacks import PidStepLog, StepList
 from helpers.sigterm_trainer import make as make_sigterm_trainer
@@ -186,6 +187,41 @@ def test_sigterm_checkpoints_publishes_fit_end_exits_143_and_the_checkpoint_resu
     assert resumed.timestamp.batch == batches
     resumed.close()
     report("sigterm_resume", resumed_from=step, finished_at=resumed.timestamp.batch)
+
+
+@pytest.mark.parametrize("mode, step, checkpointed", [
+    ("no-checkpoint", 6, False),  # checkpoint_on_sigterm=False: fit_end and exit, no file
+    ("in-eval", 5, True),  # SIGTERM during the evaluation after batch 5, past its control poll
+])
+def test_sigterm_without_a_checkpoint_or_during_eval_still_ends_the_run_cleanly(
+        spawn, tmp_path, mode, step, checkpointed):
+    run_dir = tmp_path / "run"
+    child = spawn("sigterm_trainer", run_dir, 40, 5, mode)
+    assert child.line(timeout=60)["run_dir"] == str(run_dir)
+    info = find_run(str(run_dir))
+    sub = Subscriber(info.endpoints["events"], info.endpoints["state"],
+                     topics=["checkpoint_saved", "fit_end"], heartbeat_timeout=30)
+    sub.connect(join_timeout=30)
+    assert "holding" in child.line(timeout=60)
+    os.kill(child.popen.pid, signal.SIGTERM)
+    seen: dict[str, list] = {"checkpoint_saved": [], "fit_end": []}
+    deadline = time.monotonic() + 60
+    while not seen["fit_end"] and time.monotonic() < deadline:
+        msg = sub.recv(timeout=0.5)
+        if msg is not None and not msg.from_state:
+            seen[msg.topic].append(msg.data)
+    sub.close()
+    assert child.wait(timeout=60) == 143, child.stderr()
+    assert len(seen["fit_end"]) == 1
+    assert seen["fit_end"][0]["stopped_by"] == {"reason": "SIGTERM", "client": "signal", "step": step}
+    folder = run_dir / "checkpoints"
+    files = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+    if checkpointed:
+        assert files == [f"ep0-ba{step}-sigterm.pt"]
+        assert [c["step"] for c in seen["checkpoint_saved"]] == [step]
+    else:
+        assert files == [] and seen["checkpoint_saved"] == []
+    assert json.loads((run_dir / "run.json").read_text())["finished"] is True
 
 
 # -------------------------------------------------------------- a subscriber that never reads

@@ -1,8 +1,11 @@
 """A training job that holds at one batch until it is sent SIGTERM.
 
-argv: run_dir, batches, hold (the number of batches trained before it holds).
+argv: run_dir, batches, hold (the number of batches trained before it holds), and
+optionally a mode: "no-checkpoint" (checkpoint_on_sigterm=False) or "in-eval" (it holds
+in the first evaluation after batch `hold` instead, past that batch's control poll).
 Prints {"run_dir"} once the trainer is listening and {"holding": hold} when it holds;
-after SIGTERM the Trainer checkpoints, publishes fit_end and exits with status 143.
+after SIGTERM the Trainer checkpoints (unless told not to), publishes fit_end and exits
+with status 143.
 """
 
 import json
@@ -47,7 +50,17 @@ def make(batches: int, hold: int | None, **kw) -> tuple[Trainer, Held]:
 
 if __name__ == "__main__":
     run_dir, batches, hold = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    trainer, _ = make(batches, hold, run_dir=run_dir, heartbeat_interval=0.2)
+    mode = sys.argv[4] if len(sys.argv) > 4 else ""
+    kw = {"run_dir": run_dir, "heartbeat_interval": 0.2}
+    if mode == "no-checkpoint":
+        kw["checkpoint_on_sigterm"] = False
+    if mode == "in-eval":
+        evaluation = Held(1, hold=0)  # its first item holds
+        kw.update(eval_dataloader=torch.utils.data.DataLoader(evaluation, batch_size=8),
+                  eval_interval=f"{hold}ba")
+    trainer, _ = make(batches, None if mode == "in-eval" else hold, **kw)
+    if mode == "in-eval":
+        evaluation.trainer = trainer
     print(json.dumps({"run_dir": run_dir}), flush=True)
     trainer.fit()  # SIGTERM: raises SystemExit(143) after checkpoint, fit_end and close
     trainer.close()
