@@ -28,9 +28,10 @@ WORKER_ENTRY = "workers.runtime:serve_trainer_callback"
 log = logging.getLogger("offloop.trainer")
 
 
-def _child(entry: str, callback: Any, run_dir: str, conn, keys: str | None) -> None:
+def _child(entry: str, callback: Any, run_dir: str, conn, keys: str | None,
+           heartbeat_timeout: float) -> None:
     module, func = entry.split(":")
-    getattr(importlib.import_module(module), func)(callback, run_dir, conn, keys)
+    getattr(importlib.import_module(module), func)(callback, run_dir, conn, keys, heartbeat_timeout)
 
 
 class _Worker:
@@ -40,6 +41,7 @@ class _Worker:
         self.ready = False
         self.fit_end_seen = False
         self.reported_dead = False
+        self.gone = False  # its exit has been handled (reported, restarted, or a clean end)
         self.restarts = 0
         self.report: dict = {}
 
@@ -48,8 +50,11 @@ class CallbackWorkers:
     """One process per callback; see the module docstring."""
 
     def __init__(self, callbacks: list, run_dir: str, ready_timeout: float = 120.0,
-                 keys: str | None = None, max_restarts: int = 3) -> None:
+                 keys: str | None = None, max_restarts: int = 3,
+                 heartbeat_timeout: float = 10.0) -> None:
         self.callbacks = list(callbacks)
+        #: a worker whose trainer sends no heartbeat for this long closes its callbacks and exits
+        self.heartbeat_timeout = heartbeat_timeout
         self.keys = keys  # the keys folder, when the run has keys: workers use its "workers" key
         self.max_restarts = max_restarts  # per worker; a restarted worker joins from the late-join state
         self.restarts = 0
@@ -91,7 +96,8 @@ class CallbackWorkers:
 
     def _spawn(self, callback: Any) -> _Worker:
         parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(target=_child, args=(WORKER_ENTRY, callback, self.run_dir, child, self.keys),
+        process = self._ctx.Process(target=_child, args=(WORKER_ENTRY, callback, self.run_dir, child, self.keys,
+                                          self.heartbeat_timeout),
                                     name=f"offloop-worker-{type(callback).__name__}", daemon=True)
         process.start()
         child.close()
@@ -111,12 +117,16 @@ class CallbackWorkers:
 
     def _receive(self, timeout: float) -> None:
         conns = [w.conn for w in self.workers if not w.conn.closed]
-        sentinels = [w.process.sentinel for w in self.workers if w.process.is_alive()]
+        # every worker whose exit is not handled yet, alive or not: one that died since the
+        # last call has a ready sentinel, so no death goes unseen
+        sentinels = [w.process.sentinel for w in self.workers if not w.gone]
         for ready in wait(conns + sentinels, timeout=timeout):
-            for worker in self.workers:
+            for worker in list(self.workers):
                 if ready is worker.conn:
                     self._message(worker)
-                elif ready == worker.process.sentinel and not worker.process.is_alive():
+                elif ready == worker.process.sentinel and not worker.gone:
+                    worker.process.join()
+                    worker.gone = True
                     self._drain(worker)
                     if not worker.fit_end_seen:
                         self._dead(worker, f"exited with code {worker.process.exitcode}")
@@ -153,7 +163,7 @@ class CallbackWorkers:
 
     def _supervise(self) -> None:
         while not self._stop.is_set():
-            if not any(w.process.is_alive() for w in self.workers):
+            if all(w.gone for w in self.workers):
                 return
             self._receive(timeout=0.5)
 

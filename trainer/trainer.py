@@ -173,8 +173,11 @@ class Trainer:
                 raise ConfigError(str(exc)) from None
             self._start_bus(host, heartbeat_interval)
         self.emitter = Emitter(self.publisher, self.device)
+        # a worker that hears no heartbeat for 10 intervals (3 s at least) takes the
+        # trainer for dead: it closes its callbacks and exits
         self.workers = CallbackWorkers(callbacks or [], str(self.run_dir),
-                                       keys=str(self.keys) if self.keys else None)
+                                       keys=str(self.keys) if self.keys else None,
+                                       heartbeat_timeout=max(3.0, 10 * heartbeat_interval))
         self.worker_shutdown_timeout = worker_shutdown_timeout
         if callbacks and not publish:
             raise ConfigError("callbacks run in worker processes and need publish=True")

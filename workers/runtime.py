@@ -256,10 +256,11 @@ def _wanted(callback) -> frozenset[str] | None:
     return wanted() if wanted is not None else Callback.wanted_topics.__func__(type(callback))
 
 
-def serve_trainer_callback(callback, run_dir: str, conn, keys: str | None = None) -> None:
+def serve_trainer_callback(callback, run_dir: str, conn, keys: str | None = None,
+                           heartbeat_timeout: float = 10.0) -> None:
     """Entry point of a worker process the Trainer spawned for one of its callbacks."""
     try:
-        worker = Worker(run_dir, [callback], exit_on_fit_end=False, heartbeat_timeout=30.0,
+        worker = Worker(run_dir, [callback], exit_on_fit_end=False, heartbeat_timeout=heartbeat_timeout,
                         keys=keys, key_name="workers")
         worker.connect()
     except Exception as exc:

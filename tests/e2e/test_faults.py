@@ -139,6 +139,40 @@ def test_a_callback_worker_killed_mid_run_is_restarted_and_training_loses_nothin
            restarted_handled=len(second))
 
 
+# ---------------------------------------------------------------- the trainer killed outright
+
+
+def test_a_trainer_killed_with_sigkill_is_noticed_by_its_workers_which_close_and_exit(spawn, tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "steps.json"
+    child = spawn("slow_trainer", run_dir, 1000, 0.05, out)  # heartbeats every 0.2 s: 3 s timeout
+    assert child.line(timeout=60)["run_dir"] == str(run_dir)
+    info = find_run(str(run_dir))
+    with Subscriber(info.endpoints["events"], info.endpoints["state"], topics=["batch_end"]) as sub:
+        sub.connect(join_timeout=30)
+        while (msg := sub.recv(timeout=30)) is None or msg.ts[1] < 3:
+            assert msg is not None, "the trainer never reached batch 3"
+    os.kill(child.popen.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    deadline = killed + 3.0 + 30  # the heartbeat timeout, and slack for a loaded machine
+    while not out.exists():
+        assert time.monotonic() < deadline, "the worker never closed its callback"
+        time.sleep(0.05)
+    noticed = time.monotonic() - killed
+    closed = json.loads(out.read_text())
+    assert closed["steps"] and closed["steps"] == list(range(1, len(closed["steps"]) + 1))
+    while Path(f"/proc/{closed['pid']}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # a zombie keeps /proc/<pid> until reaped: check its state instead
+        status = Path(f"/proc/{closed['pid']}/status")
+        if status.exists() and "zombie" in status.read_text():
+            break
+    child.wait(timeout=5)
+    err = child.stderr()  # read to the end: the worker, its last writer, has exited
+    assert "fell silent" in err and "no heartbeat" in err, err
+    assert noticed >= 3.0  # not before the timeout...
+    report("trainer_sigkill", heartbeat_timeout_s=3.0, noticed_after_s=round(noticed, 2),
+           steps_seen=len(closed["steps"]))
+
+
 # ------------------------------------------------------------------------------ SIGTERM
 
 

@@ -1,8 +1,10 @@
-"""A real training job that takes a while: argv = run_dir, batches, seconds per batch."""
+"""A real training job that takes a while: argv = run_dir, batches, seconds per batch, and
+optionally a file for a StepList callback, which then runs in a worker the trainer spawns."""
 
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,8 +29,14 @@ class Slow(torch.utils.data.Dataset):
 if __name__ == "__main__":
     run_dir, batches, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     loader = torch.utils.data.DataLoader(Slow(batches * 8, delay), batch_size=8)
+    callbacks = []
+    if len(sys.argv) > 4:
+        sys.path.insert(0, str(Path(__file__).parent.parent))  # spawned workers inherit it
+        from helpers.fault_callbacks import StepList
+
+        callbacks.append(StepList(sys.argv[4]))
     trainer = Trainer(nn.Linear(8, 2), loader, f"{batches}ba", loss_fn=nn.functional.cross_entropy,
-                      run_dir=run_dir, heartbeat_interval=0.2)
+                      run_dir=run_dir, heartbeat_interval=0.2, callbacks=callbacks)
     print(json.dumps({"run_dir": run_dir}), flush=True)
     trainer.fit()
     trainer.close()
