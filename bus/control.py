@@ -71,6 +71,9 @@ class Ack:
     error: str | None
 
 
+_HARD_CAP = 4  # libzmq drops a connection whose message exceeds this many times the limit
+
+
 @dataclass
 class ControlStats:
     received: int = 0
@@ -79,6 +82,7 @@ class ControlStats:
     refused: int = 0
     acked: int = 0
     unauthorized: int = 0
+    oversized: int = 0
 
 
 class ControlServer:
@@ -114,7 +118,9 @@ class ControlServer:
 
     def start(self) -> str:
         router = self._ctx.socket(zmq.ROUTER)
-        router.maxmsgsize = self.limits.max_body_bytes  # oversized requests never reach decode
+        # A request over the limit is counted and refused by length, never decoded; one past
+        # _HARD_CAP times the limit is cut off by libzmq before it is even buffered whole.
+        router.maxmsgsize = _HARD_CAP * self.limits.max_body_bytes
         router.linger = 0
         monitor = None
         if self._curve is not None:
@@ -212,6 +218,12 @@ class ControlServer:
         identity = frames[0].bytes
         if len(frames) != 2:
             self.stats.malformed += 1
+            return
+        if len(frames[1]) > self.limits.max_body_bytes:
+            self.stats.oversized += 1
+            router.send_multipart([identity, encode_reply(
+                "error", error=f"request is {len(frames[1])} bytes, the limit is "
+                               f"{self.limits.max_body_bytes}")])
             return
         try:
             body = decode_request(frames[1], self.limits)

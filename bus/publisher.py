@@ -96,6 +96,10 @@ class Publisher:
         self.beats = 0
         self._retained = frozenset(retained)
         self._wanted: frozenset[str] = self._retained
+        # open prefixes (b"" subscribes to everything): topics outside RUN_TOPICS that they
+        # select join `_wanted` the first time they are published
+        self._open_prefixes: tuple[str, ...] = ()
+        self._seen_topics: set[str] = set()
         self._subscriptions: set[bytes] = set()  # SUB prefixes in force; service thread only
         self._tseq: dict[str, int] = {}
         self._latest: dict[str, tuple[int, list]] = {}
@@ -198,7 +202,7 @@ class Publisher:
         `ts` is (epoch, batch, batch_in_epoch, sample, token); tensors in `data` must be
         on the CPU and must not be modified afterwards (they are sent without a copy).
         """
-        if topic not in self._wanted:
+        if topic not in self._wanted and not (self._open_prefixes and self._opens(topic)):
             return False
         seq = self.seq = self.seq + 1
         tseq = self._tseq[topic] = self._tseq.get(topic, 0) + 1
@@ -214,6 +218,14 @@ class Publisher:
         except zmq.Again:
             self.drops += 1
             return False
+        return True
+
+    def _opens(self, topic: str) -> bool:
+        """A topic outside RUN_TOPICS that an open prefix selects: wanted from now on."""
+        if not self._open_prefixes or not topic.startswith(self._open_prefixes):
+            return False
+        self._seen_topics.add(topic)
+        self._wanted = self._wanted | {topic}
         return True
 
     def set_config(self, config: dict[str, Any]) -> None:
@@ -275,7 +287,11 @@ class Publisher:
             if not change:
                 continue
             (self._subscriptions.add if change[0] == 1 else self._subscriptions.discard)(change[1:])
-        self._wanted = self._retained | _topics_for(self._subscriptions)
+        self._open_prefixes = tuple(p.decode(errors="replace") for p in self._subscriptions
+                                    if p != _HB_PREFIX and not p.endswith(b"\0"))
+        wanted = self._retained | _topics_for(self._subscriptions)
+        self._wanted = wanted | {t for t in tuple(self._seen_topics) if t.startswith(self._open_prefixes)} \
+            if self._open_prefixes else wanted
 
     def _answer(self, router: zmq.Socket, heartbeat: zmq.Socket) -> None:
         while router.poll(0):

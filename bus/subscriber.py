@@ -159,9 +159,13 @@ class Subscriber:
             entry.raw = [f.bytes if hasattr(f, "bytes") else f for f in frames[at : at + count]]
             entries.append(entry)
             at += count
-        pub = header["pub"]
+        pub, tseqs = header["pub"], header["tseq"]
+        if not isinstance(tseqs, dict) or not all(
+                isinstance(t, str) and isinstance(n, int) and not isinstance(n, bool)
+                for t, n in tseqs.items()):
+            raise WireError("late-join state field 'tseq' must map topic names to integers")
         self._known_pubs.add(pub)
-        for topic, tseq in header["tseq"].items():
+        for topic, tseq in tseqs.items():
             if self._selected(topic):
                 key = (pub, topic)
                 self._last[key] = max(self._last.get(key, 0), tseq)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import uuid
 
 from offloop.errors import abort
 
@@ -63,7 +64,9 @@ def _ask(args: argparse.Namespace, op: str, request_args: dict):
     if info.host == socket.gethostname() and "://" not in args.run and not _alive(info.pid):
         abort(f"run {info.run_name} is not running: its process {info.pid} is gone "
               "(it ended without marking run.json finished)", 1)
-    client = ControlClient(endpoint, client_id=f"cli-{socket.gethostname()}-{os.getpid()}", curve=curve)
+    # unique per invocation: a reused pid must never be answered with an earlier run's stored ack
+    client_id = f"cli-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    client = ControlClient(endpoint, client_id=client_id, curve=curve)
     try:
         ack = client.request(op, request_args, timeout=args.timeout)
     except ControlTimeout:

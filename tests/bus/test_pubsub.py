@@ -63,6 +63,12 @@ def test_subscribing_to_everything_wants_every_event(publisher):
     with Subscriber(publisher.endpoints["events"]) as sub:
         sub.connect()
         wait_until(lambda: publisher.wants("before_forward") and publisher.wants("predict_end"))
+        # a topic of the user's own, outside Composer's events, reaches it too
+        assert publisher.publish("my_metric", (0, 1, 1, 1, 0), {"value": 3}) is True
+        msg = sub.recv(timeout=5)
+        assert msg is not None and msg.topic == "my_metric" and msg.data == {"value": 3}
+    wait_until(lambda: not publisher.wants("my_metric"), what="unsubscription")
+    assert publisher.publish("my_metric", (0, 2, 2, 2, 0), {"value": 4}) is False
 
 
 def test_slow_subscriber_in_another_process_costs_the_publisher_nothing(spawn):

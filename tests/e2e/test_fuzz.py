@@ -242,7 +242,7 @@ def test_random_and_mutated_control_messages_are_counted_and_never_reach_the_tra
                counted_duplicates=stats.duplicates, reached_trainer=len(polled))
 
 
-def test_an_oversized_control_message_is_dropped_before_decoding_and_valid_requests_still_work(
+def test_an_oversized_control_message_is_counted_and_refused_before_decoding(
         tmp_path, monkeypatch):
     decoded: list[int] = []
     real_decode = bus.control.decode_request
@@ -267,18 +267,24 @@ def test_an_oversized_control_message_is_dropped_before_decoding_and_valid_reque
         assert dealer.poll(30_000) and msgpack.unpackb(dealer.recv())["k"] == "error"
         assert server.stats.malformed == 1 and decoded == [limit]
 
-        # one byte over: libzmq drops the connection; no byte of it reaches Python
+        # over the limit: counted and refused by its length, never decoded
         dealer.send(encode_request("ctl", client="big", req=1, op="halt",
                                    args={"reason": "x" * limit}, t=1.0))
+        assert dealer.poll(30_000) and "the limit is" in msgpack.unpackb(dealer.recv())["error"]
+        assert server.stats.oversized == 1 and server.stats.received == 0 and decoded == [limit]
+
+        # past the hard cap (4x the limit): libzmq drops the connection; no byte reaches Python
+        dealer.send(b"\xc1" * (4 * limit + 1))
         assert events.poll(30_000) and _event(events) == zmq.EVENT_DISCONNECTED
-        assert server.stats.malformed == 1 and server.stats.received == 0 and decoded == [limit]
+        assert server.stats.oversized == 1 and server.stats.malformed == 1 and decoded == [limit]
         assert polled == [] and not trainer._stop
         dealer.disable_monitor()
         events.close(linger=0)
         dealer.close()
         ctx.term()
         report("control_oversized", limit=limit, at_limit_counted_malformed=1,
-               over_limit_decoded=len(decoded) - 1, over_limit_counted=server.stats.malformed - 1)
+               over_limit_decoded=len(decoded) - 1, over_limit_counted_oversized=server.stats.oversized,
+               past_hard_cap_dropped_by_libzmq=1)
     # leaving `training` sent a valid halt and checked it was acked and applied
 
 
