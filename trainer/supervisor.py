@@ -22,7 +22,7 @@ from typing import Any
 
 from trainer.errors import ConfigError
 
-__all__ = ["CallbackWorkers", "WORKER_ENTRY"]
+__all__ = ["CallbackWorkers", "WORKER_ENTRY", "check_picklable"]
 
 WORKER_ENTRY = "workers.runtime:serve_trainer_callback"
 log = logging.getLogger("offloop.trainer")
@@ -32,6 +32,18 @@ def _child(entry: str, callback: Any, run_dir: str, conn, keys: str | None,
            heartbeat_timeout: float) -> None:
     module, func = entry.split(":")
     getattr(importlib.import_module(module), func)(callback, run_dir, conn, keys, heartbeat_timeout)
+
+
+def check_picklable(callbacks: list) -> None:
+    """Each callback is sent to its worker process by pickle: refuse one that cannot be."""
+    for callback in callbacks:
+        try:
+            pickle.dumps(callback)
+        except Exception as exc:
+            raise ConfigError(
+                f"callback {type(callback).__name__} cannot be sent to its worker process "
+                f"(it must be picklable, and its class importable): {exc}"
+            ) from None
 
 
 class _Worker:
@@ -72,14 +84,8 @@ class CallbackWorkers:
         """Spawn every worker and return once each is listening (or has failed)."""
         if not self.callbacks:
             return
+        check_picklable(self.callbacks)
         for callback in self.callbacks:
-            try:
-                pickle.dumps(callback)
-            except Exception as exc:
-                raise ConfigError(
-                    f"callback {type(callback).__name__} cannot be sent to its worker process "
-                    f"(it must be picklable, and its class importable): {exc}"
-                ) from None
             self.workers.append(self._spawn(callback))
         deadline = time.monotonic() + self.ready_timeout
         while not all(w.ready or not w.process.is_alive() for w in self.workers):

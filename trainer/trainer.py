@@ -46,7 +46,7 @@ from trainer import distributed
 from trainer.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from trainer.errors import CheckpointError, ConfigError, TrainerError
 from trainer.snapshot import Emitter
-from trainer.supervisor import CallbackWorkers
+from trainer.supervisor import CallbackWorkers, check_picklable
 from trainer.timestamp import Timestamp
 
 __all__ = ["Trainer"]
@@ -163,6 +163,12 @@ class Trainer:
         self.control: ControlServer | None = None
         self.keys = Path(keys) if keys else None
         self._server_keys = None
+        # what can be known now fails now, before a socket, a worker or run.json exists
+        if callbacks and not publish:
+            raise ConfigError("callbacks run in worker processes and need publish=True")
+        check_picklable(callbacks or [])
+        if load_path is not None and not Path(load_path).is_file():
+            raise CheckpointError(f"load_path {str(load_path)!r} does not exist or is not a file")
         if publish:
             try:
                 self._server_keys = load_server_keys(keys) if keys else None
@@ -179,18 +185,23 @@ class Trainer:
                                        keys=str(self.keys) if self.keys else None,
                                        heartbeat_timeout=max(3.0, 10 * heartbeat_interval))
         self.worker_shutdown_timeout = worker_shutdown_timeout
-        if callbacks and not publish:
-            raise ConfigError("callbacks run in worker processes and need publish=True")
-        if self.rank == 0:
-            self.workers.start()  # every worker listens before init is published
-        atexit.register(self.close)
-        _install_sigterm(self)  # fit_end always; checkpoint_on_sigterm decides the checkpoint
+        try:
+            if self.rank == 0:
+                self.workers.start()  # every worker listens before init is published
+            atexit.register(self.close)
+            _install_sigterm(self)  # fit_end always; checkpoint_on_sigterm decides the checkpoint
 
-        self.emitter.emit(E.INIT, self.timestamp.as_tuple(), {"config": self.config()})
-        if load_path is not None:
+            self.emitter.emit(E.INIT, self.timestamp.as_tuple(), {"config": self.config()})
+            # as in Composer, both fire on every run, with a checkpoint to load or not
             self.emitter.emit(E.BEFORE_LOAD, self.timestamp.as_tuple())
-            self._load(load_path)
-            self.emitter.emit(E.AFTER_LOAD, self.timestamp.as_tuple(), {"path": str(load_path)})
+            if load_path is not None:
+                self._load(load_path)
+            self.emitter.emit(E.AFTER_LOAD, self.timestamp.as_tuple(),
+                              {"path": str(load_path) if load_path is not None else None})
+        except BaseException:
+            # no fit will follow: end the stream and the workers now, mark the run finished
+            self.close(wait_for_workers=False)
+            raise
 
     # ------------------------------------------------------------------ set-up
 
@@ -334,10 +345,10 @@ class Trainer:
                 emit(E.AFTER_FORWARD, now, {"microbatch": i})
                 emit(E.BEFORE_LOSS, now, {"microbatch": i})
                 loss = self._loss(outputs, micro)
-                if self.grad_accum > 1:
-                    loss = loss * (_batch_size(micro) / size)
-            if wants(E.AFTER_LOSS):
+            if wants(E.AFTER_LOSS):  # the microbatch's own loss, as Composer's state.loss here
                 self.emitter.emit_tensors(E.AFTER_LOSS, now, {"microbatch": i, "loss": loss.detach()})
+            if self.grad_accum > 1:  # weighted by the microbatch's share, for backward and the total
+                loss = loss * (_batch_size(micro) / size)
             emit(E.BEFORE_BACKWARD, now, {"microbatch": i})
             loss.backward()
             emit(E.AFTER_BACKWARD, now, {"microbatch": i})
@@ -624,12 +635,12 @@ class Trainer:
                                                      "checkpoints": self.checkpoints})
         self.emitter.flush()
 
-    def close(self) -> None:
+    def close(self, wait_for_workers: bool = True) -> None:
         """Let every callback worker see fit_end, close the stream, mark the run finished."""
         if self._closed:
             return
         self._closed = True
-        if self.workers.workers:
+        if self.workers.workers and wait_for_workers:
             self.workers.wait_for_fit_end(self.worker_shutdown_timeout, while_waiting=self._answer_late)
         self._answer_late()
         if self.publisher is not None:
@@ -690,6 +701,10 @@ def _resolve_device(device: str | torch.device) -> torch.device:
         raise ConfigError(f"device {device!r} is not supported: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} was asked for, but this machine has no CUDA device")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device!r} was asked for, but this machine has "
+                          f"{torch.cuda.device_count()} CUDA device(s): use cuda:0 … "
+                          f"cuda:{torch.cuda.device_count() - 1}")
     return resolved
 
 

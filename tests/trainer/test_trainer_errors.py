@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from common import loader, mlp
@@ -82,3 +84,30 @@ def test_composer_protocol_model_trains_without_loss_fn(tmp_path):
     trainer = make(model=Composerish(), loss_fn=None, run_dir=tmp_path)
     trainer.fit()
     assert trainer.timestamp.batch == 2
+
+
+def test_a_missing_load_path_fails_before_any_socket_or_worker(tmp_path):
+    from workers import Callback
+
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match="does not exist"):
+        make(load_path=tmp_path / "missing.pt", run_dir=tmp_path / "run", publish=True,
+             callbacks=[Callback()])
+    assert not (tmp_path / "run").exists()  # no run.json, no worker was spawned
+    assert time.monotonic() - started < 10
+
+
+def test_an_unreadable_checkpoint_ends_the_run_it_had_started(tmp_path):
+    from bus import find_run
+    from workers import Callback
+
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match="not a readable offloop checkpoint"):
+        make(load_path=garbage, run_dir=tmp_path / "run", publish=True, callbacks=[Callback()])
+    # the bus and a worker had started: both are ended, the run is marked finished, and
+    # nothing waits the minute a worker is given to see fit_end
+    assert find_run(str(tmp_path / "run")).finished
+    assert time.monotonic() - started < 30
+

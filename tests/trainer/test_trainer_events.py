@@ -22,7 +22,7 @@ def eval_block(batches: int) -> list[str]:
 
 def expected(epochs: int, batches: int, accum: int, batch_eval_every: int, eval_batches: int):
     """Composer's pseudocode, written out: what the trainer must fire, in order."""
-    seq = ["init", "fit_start", "iteration_start"]
+    seq = ["init", "before_load", "after_load", "fit_start", "iteration_start"]
     done = 0
     for _ in range(epochs):
         seq.append("epoch_start")
