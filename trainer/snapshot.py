@@ -10,12 +10,17 @@ order they were made, so the stream stays FIFO. Nothing here calls `.item()`,
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Any
 
 import torch
 
+from bus import WireError
+
 __all__ = ["Emitter"]
+
+log = logging.getLogger("offloop.trainer")
 
 
 class Emitter:
@@ -26,6 +31,9 @@ class Emitter:
         self.cuda = device.type == "cuda"
         self._waiting: deque[tuple[str, tuple, dict, Any]] = deque()
         self.wants = publisher.wants if publisher is not None else (lambda topic: False)
+        #: snapshots that could not be encoded (a value the wire cannot carry): counted and
+        #: logged, never raised into the training loop
+        self.unencodable = 0
 
     def emit(self, topic: str, ts: tuple, data: dict | None = None) -> None:
         """Publish a snapshot of plain values (no tensors): the hot path, kept to one
@@ -37,7 +45,16 @@ class Emitter:
             self._waiting.append((topic, ts, data or {}, None))  # behind staged snapshots
             self.poll()
         else:
-            publisher.publish(topic, ts, data)
+            self._publish(topic, ts, data)
+
+    def _publish(self, topic: str, ts: tuple, data: dict | None) -> None:
+        try:
+            self.publisher.publish(topic, ts, data)
+        except WireError as exc:
+            self.unencodable += 1
+            if self.unencodable == 1 or self.unencodable % 1000 == 0:
+                log.warning("offloop: %s snapshot not published (%d so far): %s; training goes on",
+                            topic, self.unencodable, exc)
 
     def emit_tensors(self, topic: str, ts: tuple, data: dict) -> None:
         """Publish a snapshot holding tensors: now on the CPU (0-d ones as numbers), or
@@ -48,7 +65,7 @@ class Emitter:
         if self.cuda:
             self._emit_staged(topic, ts, data)
         else:
-            publisher.publish(topic, ts, _host_values(data))
+            self._publish(topic, ts, _host_values(data))
 
     def _emit_staged(self, topic: str, ts: tuple, data: dict) -> None:
         staged, copied = _stage(data)
@@ -59,7 +76,7 @@ class Emitter:
         elif self._waiting:
             self._waiting.append((topic, ts, staged, None))  # keep the stream in order
         else:
-            self.publisher.publish(topic, ts, staged)
+            self._publish(topic, ts, staged)
         self.poll()
 
     def poll(self) -> None:
@@ -70,7 +87,7 @@ class Emitter:
             if ready is not None and not ready.query():
                 return
             waiting.popleft()
-            self.publisher.publish(topic, ts, _host_values(staged))
+            self._publish(topic, ts, _host_values(staged))
 
     def flush(self) -> None:
         """Wait for every staged copy and publish it: only where the loop may block
@@ -82,21 +99,18 @@ class Emitter:
             self.poll()
 
 
-def _stage(data: dict) -> tuple[dict, bool]:
-    """Start non-blocking copies of CUDA tensors (one level of nesting) into pinned memory."""
-    out: dict = {}
-    copied = False
-    for key, value in data.items():
-        if isinstance(value, torch.Tensor) and value.is_cuda:
-            out[key] = _to_pinned(value)
-            copied = True
-        elif isinstance(value, dict):
-            inner, inner_copied = _stage(value)
-            out[key] = inner
-            copied = copied or inner_copied
-        else:
-            out[key] = value
-    return out, copied
+def _stage(data: Any) -> tuple[Any, bool]:
+    """Start non-blocking copies of CUDA tensors (in dicts, lists and tuples, at any depth)
+    into pinned memory."""
+    if isinstance(data, torch.Tensor):
+        return (_to_pinned(data), True) if data.is_cuda else (data, False)
+    if isinstance(data, dict):
+        staged = {key: _stage(value) for key, value in data.items()}
+        return {key: value for key, (value, _) in staged.items()}, any(c for _, c in staged.values())
+    if isinstance(data, (list, tuple)):
+        staged = [_stage(value) for value in data]
+        return [value for value, _ in staged], any(c for _, c in staged)
+    return data, False
 
 
 def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
@@ -106,13 +120,16 @@ def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _host_values(data: dict) -> dict:
-    """0-d host tensors become Python numbers; larger host tensors travel as frames."""
+    """0-d host tensors become Python numbers (in dicts, lists and tuples, at any depth);
+    larger host tensors travel as frames. A flat loop: this runs once per batch_end."""
     out = {}
     for key, value in data.items():
         if isinstance(value, torch.Tensor):
             out[key] = value.item() if value.ndim == 0 else value.detach()
         elif isinstance(value, dict):
             out[key] = _host_values(value)
+        elif isinstance(value, (list, tuple)):
+            out[key] = list(_host_values(dict(enumerate(value))).values())
         else:
             out[key] = value
     return out
