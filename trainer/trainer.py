@@ -155,6 +155,7 @@ class Trainer:
         self._pending_halts: list = []
         self._sigterm = False
         self._sigterm_saved = False
+        self._fit_ended = False  # fit_end was published: close() waits for workers to see it
         self._ckpts_due = 0
         self.checkpoint_on_sigterm = checkpoint_on_sigterm
         self._agreement = distributed.ControlAgreement()
@@ -634,13 +635,16 @@ class Trainer:
         self.emitter.emit(E.FIT_END, ts.as_tuple(), {"stopped_by": self.stopped_by,
                                                      "checkpoints": self.checkpoints})
         self.emitter.flush()
+        self._fit_ended = True
 
     def close(self, wait_for_workers: bool = True) -> None:
         """Let every callback worker see fit_end, close the stream, mark the run finished."""
         if self._closed:
             return
         self._closed = True
-        if self.workers.workers and wait_for_workers:
+        # with no fit (only eval() or predict()) there is no fit_end to wait for: the
+        # workers take the stream's final heartbeats as the end, after every event before them
+        if self.workers.workers and wait_for_workers and self._fit_ended:
             self.workers.wait_for_fit_end(self.worker_shutdown_timeout, while_waiting=self._answer_late)
         self._answer_late()
         if self.publisher is not None:
