@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -49,7 +50,15 @@ def test_listening_beyond_loopback_without_keys_is_refused_unless_insecure(tmp_p
     trainer.close()
 
 
-def test_only_authorised_keys_reach_a_trainer_with_keys(tmp_path):
+def _wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_only_authorised_keys_reach_a_trainer_with_keys(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="offloop")
     keys = tmp_path / "keys"
     generate_keys(keys, "alice")
     strangers = tmp_path / "other"
@@ -72,9 +81,14 @@ def test_only_authorised_keys_reach_a_trainer_with_keys(tmp_path):
 
         with pytest.raises(ControlTimeout):
             ControlClient(info.endpoints["control"], curve=mallory).halt("mallory says stop", timeout=1.5)
+        # refused, counted and logged, each one (a retrying client is refused at each attempt)
+        assert _wait_for(lambda: trainer.control.stats.unauthorized >= 1)
+        after_mallory = trainer.control.stats.unauthorized
+        assert "its key is not authorised" in caplog.text
         with pytest.raises(ControlTimeout):
             ControlClient(info.endpoints["control"]).halt("no keys at all", timeout=1.5)
-        assert trainer.control.stats.unauthorized >= 1
+        assert _wait_for(lambda: trainer.control.stats.unauthorized > after_mallory)
+        assert caplog.text.count("its key is not authorised") == trainer.control.stats.unauthorized
         assert trainer.control.stats.received == 0  # nothing reached the trainer
         assert fit.is_alive() and not trainer._stop  # training went on
 
