@@ -1,5 +1,10 @@
 """Publishing snapshots from the training thread without host-device synchronisation.
 
+Events are held by the publisher and leave in one burst at each `release()`: the
+trainer releases once per batch (at its control poll), after each eval and predict
+batch, and wherever it may pause, so a step wakes the publisher's proxy once rather
+than once per event (each wake-up costs the training thread a cross-CPU signal).
+
 On the CPU a snapshot is published at once (0-d tensors become floats; on the CPU
 that is no sync). On CUDA, tensors are copied into pinned host memory with
 `non_blocking=True`, a CUDA event is recorded behind the copies, and the snapshot is
@@ -34,6 +39,13 @@ class Emitter:
         #: snapshots that could not be encoded (a value the wire cannot carry): counted and
         #: logged, never raised into the training loop
         self.unencodable = 0
+        if publisher is not None:
+            publisher.hold()
+
+    def release(self) -> None:
+        """Send the held events now: once per batch, and wherever the loop may pause."""
+        if self.publisher is not None:
+            self.publisher.release()
 
     def emit(self, topic: str, ts: tuple, data: dict | None = None) -> None:
         """Publish a snapshot of plain values (no tensors): the hot path, kept to one
@@ -90,13 +102,14 @@ class Emitter:
             self._publish(topic, ts, _host_values(staged))
 
     def flush(self) -> None:
-        """Wait for every staged copy and publish it: only where the loop may block
-        (fit end, close), never per batch."""
+        """Wait for every staged copy, publish it and release everything held: only where
+        the loop may block (fit end, eval() and predict() end, close), never per batch."""
         if self._waiting:
             for *_, ready in self._waiting:
                 if ready is not None:
                     ready.synchronize()
             self.poll()
+        self.release()
 
 
 def _stage(data: Any) -> tuple[Any, bool]:

@@ -199,6 +199,7 @@ class Trainer:
                 self._load(load_path)
             self.emitter.emit(E.AFTER_LOAD, self.timestamp.as_tuple(),
                               {"path": str(load_path) if load_path is not None else None})
+            self.emitter.release()
         except BaseException:
             # no fit will follow: end the stream and the workers now, mark the run finished
             self.close(wait_for_workers=False)
@@ -450,6 +451,7 @@ class Trainer:
             if self._sigterm and self.stopped_by is None:
                 self.stopped_by = {"reason": "SIGTERM", "client": "signal", "step": self.timestamp.batch}
         self._ckpts_due = ckpts
+        self.emitter.release()  # this batch's events, in one burst
 
     def _save_requested(self, where: str) -> None:
         if not self._ckpts_due:
@@ -473,6 +475,7 @@ class Trainer:
         self.emitter.emit(CHECKPOINT_SAVED, self.timestamp.as_tuple(),
                           {"path": str(path), "step": self.timestamp.batch, "tag": tag,
                            "event": where, "requested_by": [[r.client, r.req] for r in requests]})
+        self.emitter.release()
 
     def request_halt(self, reason: str = "") -> None:
         """In-process twin of a halt request: stop after the current batch."""
@@ -572,10 +575,12 @@ class Trainer:
                     if isinstance(inputs, torch.Tensor):
                         data["inputs"] = inputs.detach()
                 self.emitter.emit_tensors(E.EVAL_BATCH_END, ts, data)
+                self.emitter.release()
         metrics = {name: metric.compute() for name, metric in self.eval_metrics.items()}
         if loss_sum is not None:
             metrics["loss"] = loss_sum / max(count, 1)
         self.emitter.emit_tensors(E.EVAL_END, ts, {"dataloader_label": label, "metrics": metrics})
+        self.emitter.release()
         return metrics
 
     def _eval_forward(self, batch: Any) -> Any:
@@ -619,6 +624,7 @@ class Trainer:
                 outputs = self.model(inputs)
                 emit(E.PREDICT_AFTER_FORWARD, ts)
                 emit(E.PREDICT_BATCH_END, ts, {"batch_size": _batch_size(batch)})
+                self.emitter.release()
                 if return_outputs:
                     outputs_all.append(outputs.detach().cpu() if isinstance(outputs, torch.Tensor) else outputs)
         emit(E.PREDICT_END, ts)

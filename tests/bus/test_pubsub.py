@@ -210,3 +210,24 @@ def test_close_sends_final_heartbeat_and_subscriber_finishes(publisher):
     assert sub.finished and sub.stats.gaps == 0
     assert json.dumps([m.topic for m in got if not m.from_state])  # delivered before finishing
     sub.close()
+
+
+def test_held_events_leave_at_release_in_order_and_heartbeats_never_count_them_lost(publisher):
+    with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
+                    topics=["batch_end"], settle=0.2) as sub:
+        sub.connect()
+        publisher.hold()
+        for i in range(1, 6):
+            publisher.publish("batch_end", (0, i, i, i, 0), {"i": i})
+        # several heartbeats (every 0.1 s) pass while they are held: none announces them
+        assert sub.recv(timeout=0.6) is None
+        assert sub.stats.gaps == 0
+        publisher.release()
+        got = [sub.recv(timeout=5) for _ in range(5)]
+        assert [m.data["i"] for m in got] == [1, 2, 3, 4, 5]
+        publisher.publish("batch_end", (0, 6, 6, 6, 0), {"i": 6})
+        publisher.release(stop_holding=True)
+        publisher.publish("batch_end", (0, 7, 7, 7, 0), {"i": 7})  # sent at once again
+        assert [sub.recv(timeout=5).data["i"] for _ in range(2)] == [6, 7]
+        time.sleep(0.5)  # heartbeats after the last event: still nothing counted lost
+        assert sub.recv(timeout=0.1) is None and sub.stats.gaps == 0 and sub.stats.received == 7

@@ -24,6 +24,8 @@ def test_tensors_nested_in_lists_travel_and_unencodable_snapshots_are_counted():
             emitter.emit_tensors("eval_end", (1, 8, 0, 64, 0), {"metrics": {"odd": object()}})
             emitter.emit("eval_end", (1, 8, 0, 64, 0), {"metrics": {"also_odd": {1, 2}}})
             emitter.emit_tensors("eval_end", (2, 16, 0, 128, 0), {"metrics": {"acc": torch.tensor(0.8)}})
+            assert sub.recv(timeout=0.5) is None  # held: the trainer releases once per batch
+            emitter.release()
             got = [sub.recv(timeout=5) for _ in range(2)]
         assert emitter.unencodable == 2
         first, second = (msg.data["metrics"] for msg in got)
