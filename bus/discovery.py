@@ -160,4 +160,17 @@ def _ask_endpoint(endpoint: str, timeout: float, curve=None) -> RunInfo:
         sock.close(linger=0)
     if reply["k"] != "info":
         raise RunNotFound(f"{endpoint} answered {reply['k']!r}: {reply.get('error', '')}")
-    return RunInfo.from_dict(reply["run"], endpoint)
+    info = RunInfo.from_dict(reply["run"], endpoint)
+    # a trainer bound to every interface (0.0.0.0) names its endpoints by that wildcard;
+    # from elsewhere they are reached at the host this endpoint was reached at
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+    info.endpoints = {k: _reach(v, host) for k, v in info.endpoints.items()}
+    info.ranks = [{k: _reach(v, host) for k, v in eps.items()} for eps in info.ranks]
+    return info
+
+
+def _reach(endpoint: str, host: str) -> str:
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:", "tcp://[::]:"):
+        if isinstance(endpoint, str) and endpoint.startswith(wildcard):
+            return f"tcp://{host}:{endpoint[len(wildcard):]}"
+    return endpoint

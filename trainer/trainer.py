@@ -156,6 +156,9 @@ class Trainer:
         self._sigterm = False
         self._sigterm_saved = False
         self._fit_ended = False  # fit_end was published: close() waits for workers to see it
+        # totals carried by checkpoint_saved and control_request, so a late joiner, which
+        # gets only the latest of each, still knows how many there were
+        self._saves = self._requests_seen = 0
         self._ckpts_due = 0
         self.checkpoint_on_sigterm = checkpoint_on_sigterm
         self._agreement = distributed.ControlAgreement()
@@ -436,8 +439,10 @@ class Trainer:
         requests = self.control.poll() if self.control is not None else ()
         for request in requests:
             (self._pending_halts if request.op == "halt" else self._pending_ckpts).append(request)
+            self._requests_seen += 1
             self.emitter.emit(CONTROL_REQUEST, self.timestamp.as_tuple(),
-                              {"op": request.op, "client": request.client, "args": request.args})
+                              {"op": request.op, "client": request.client, "args": request.args,
+                               "count": self._requests_seen})
         halt = bool(self._pending_halts) or self._sigterm
         sigterm_ckpt = int(self._sigterm and self.checkpoint_on_sigterm)
         halt, ckpts = self._agreement.agree(halt, len(self._pending_ckpts) + sigterm_ckpt)
@@ -472,9 +477,11 @@ class Trainer:
         self._sigterm_saved = self._sigterm_saved or self._sigterm
         for request in requests:
             request.ack(path=str(path), step=self.timestamp.batch, event=where)
+        self._saves += 1
         self.emitter.emit(CHECKPOINT_SAVED, self.timestamp.as_tuple(),
                           {"path": str(path), "step": self.timestamp.batch, "tag": tag,
-                           "event": where, "requested_by": [[r.client, r.req] for r in requests]})
+                           "event": where, "requested_by": [[r.client, r.req] for r in requests],
+                           "count": self._saves})
         self.emitter.release()
 
     def request_halt(self, reason: str = "") -> None:

@@ -46,6 +46,8 @@ class RunView:
     eval_metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
     checkpoints: list[str] = field(default_factory=list)
     requests: list[str] = field(default_factory=list)
+    checkpoint_count: int = 0  # the trainer's totals, which a late joiner cannot count itself
+    request_count: int = 0
     started: float | None = None
     first_batch: tuple[float, int, int] | None = None  # (wall time, batch, sample) at the first batch_end seen
     last_batch: tuple[float, int, int] | None = None
@@ -74,8 +76,10 @@ class RunView:
             self.eval_metrics[label] = {k: _number(v) for k, v in (data.get("metrics") or {}).items()}
         elif msg.topic == "checkpoint_saved":
             self.checkpoints.append(f"{data.get('path')} (batch {data.get('step')})")
+            self.checkpoint_count = _total(data, self.checkpoint_count)
         elif msg.topic == "control_request":
             self.requests.append(f"{data.get('op')} from {data.get('client')} at batch {msg.ts[1]}")
+            self.request_count = _total(data, self.request_count)
         elif msg.topic == "fit_end":
             stopped = data.get("stopped_by")
             self.status = f"finished (halted: {stopped.get('reason')})" if stopped else "finished"
@@ -109,6 +113,12 @@ class RunView:
         if not total or not batches_per_s:
             return None
         return max(0.0, (total - self.ts[1]) / batches_per_s)
+
+
+def _total(data: dict, counted: int) -> int:
+    """The run's total so far, as the trainer numbers it; else one more than counted."""
+    count = data.get("count")
+    return count if isinstance(count, int) and not isinstance(count, bool) else counted + 1
 
 
 def _number(value: Any) -> float | None:
@@ -161,8 +171,8 @@ def render(view: RunView, sub_stats, publisher_drops: int):
                  if batches_per_s else "-")
     flow.add_row("events", f"{view.events} received, {view.events_per_s():.1f}/s; "
                            f"lost {sub_stats.gaps}, publisher drops {publisher_drops}")
-    flow.add_row("checkpoints", f"{len(view.checkpoints)}" + (f", last {view.checkpoints[-1]}" if view.checkpoints else ""))
-    flow.add_row("control", f"{len(view.requests)} requests" + (f", last: {view.requests[-1]}" if view.requests else ""))
+    flow.add_row("checkpoints", f"{view.checkpoint_count}" + (f", last {view.checkpoints[-1]}" if view.checkpoints else ""))
+    flow.add_row("control", f"{view.request_count} requests" + (f", last: {view.requests[-1]}" if view.requests else ""))
     return Panel(Group(head, progress, metrics, flow), title="offloop attach", subtitle="read-only; Ctrl-C to leave")
 
 

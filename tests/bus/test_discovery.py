@@ -69,3 +69,21 @@ def test_find_by_endpoint_asks_the_run_itself():
 def test_unreachable_endpoint_is_a_clear_error(free_port):
     with pytest.raises(RunNotFound, match="no run answered"):
         find_run(f"tcp://127.0.0.1:{free_port}", timeout=0.3)
+
+
+def test_a_run_bound_to_every_interface_is_reached_at_the_host_asked():
+    pub = Publisher("id-wild", host="0.0.0.0")
+    endpoints = pub.start()
+    assert endpoints["state"].startswith("tcp://0.0.0.0:")
+    port = endpoints["state"].rsplit(":", 1)[1]
+    run = info("wild")
+    run.endpoints = {**endpoints, "control": "tcp://0.0.0.0:5555"}
+    run.ranks = [dict(run.endpoints)]
+    pub.run_info = run.to_dict()
+    try:
+        found = find_run(f"tcp://127.0.0.1:{port}")
+        assert found.endpoints["state"] == f"tcp://127.0.0.1:{port}"
+        assert found.endpoints["control"] == "tcp://127.0.0.1:5555"
+        assert found.ranks[0]["events"] == endpoints["events"].replace("0.0.0.0", "127.0.0.1")
+    finally:
+        pub.close(linger=0)

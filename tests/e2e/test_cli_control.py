@@ -41,6 +41,13 @@ def test_checkpoint_then_halt_a_live_run_then_ls_shows_it_finished(spawn, tmp_pa
     assert "checkpoint of run job at batch" in ckpt.stdout
     path = Path(ckpt.stdout.strip().rsplit(": ", 1)[1])
     assert path.exists() and path.name.endswith("-cli.pt")
+    second = offloop("checkpoint", "job", "--runs-root", str(tmp_path / "runs"))
+    assert second.returncode == 0, second.stderr
+
+    # a monitor attached now gets only the latest of each topic, yet shows the totals
+    screen = offloop("attach", str(run_dir), "--once")
+    assert screen.returncode == 0, screen.stderr
+    assert "checkpoints  2, last" in screen.stdout and "control      2 requests" in screen.stdout, screen.stdout
 
     halt = offloop("halt", str(run_dir), "--reason", "from the test")
     assert halt.returncode == 0, halt.stderr
