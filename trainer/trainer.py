@@ -118,6 +118,8 @@ class Trainer:
         self.seed = seed if seed is not None else random.randrange(2**31)
         _seed_everything(self.seed)
         self.precision, self.grad_accum = precision, grad_accum
+        # fp16 gradients underflow without loss scaling (bf16 has fp32's range: none needed)
+        self._scaler = torch.amp.GradScaler(self.device.type) if precision == "amp_fp16" else None
         self.loss_fn, self.num_tokens_fn = loss_fn, num_tokens_fn
         self.iteration_length = iteration_length
         self.publish_eval_outputs, self.per_param_grad_norms = publish_eval_outputs, per_param_grad_norms
@@ -355,14 +357,22 @@ class Trainer:
             if self.grad_accum > 1:  # weighted by the microbatch's share, for backward and the total
                 loss = loss * (_batch_size(micro) / size)
             emit(E.BEFORE_BACKWARD, now, {"microbatch": i})
-            loss.backward()
+            (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
             emit(E.AFTER_BACKWARD, now, {"microbatch": i})
             total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
         last = (micro, outputs)
+        if self._scaler is not None:  # Composer unscales before after_train_batch: true norms
+            for opt in self.optimizers:
+                self._scaler.unscale_(opt)
         if wants(E.AFTER_TRAIN_BATCH):
             self.emitter.emit_tensors(E.AFTER_TRAIN_BATCH, now, self._grad_snapshot(total_loss))
         for opt in self.optimizers:
-            opt.step()
+            if self._scaler is not None:
+                self._scaler.step(opt)  # skipped when a gradient overflowed
+            else:
+                opt.step()
+        if self._scaler is not None:
+            self._scaler.update()
         for scheduler in self.schedulers:
             scheduler.step()
         ts.next_batch(size, self.num_tokens_fn(batch) if self.num_tokens_fn else 0)
@@ -510,6 +520,7 @@ class Trainer:
                 "model": model.state_dict(),
                 "optimizers": [o.state_dict() for o in self.optimizers],
                 "schedulers": [s.state_dict() for s in self.schedulers],
+                "scaler": self._scaler.state_dict() if self._scaler is not None else None,
                 "timestamp": ts.state_dict(),
                 "rng": [rng for _, rng, _ in states],
                 "epoch_rng": [epoch_rng for _, _, epoch_rng in states],
@@ -532,6 +543,8 @@ class Trainer:
             opt.load_state_dict(opt_state)
         for sched, sched_state in zip(self.schedulers, state["schedulers"], strict=False):
             sched.load_state_dict(sched_state)
+        if self._scaler is not None and state.get("scaler"):
+            self._scaler.load_state_dict(state["scaler"])
         self.timestamp.load_state_dict(state["timestamp"])
         rank = min(self.rank, len(state["rng"]) - 1)
         set_rng_state(state["rng"][rank])

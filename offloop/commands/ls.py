@@ -11,6 +11,10 @@ import time
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs-root", help="default $OFFLOOP_RUNS or ./runs")
     parser.add_argument("--json", action="store_true", help="one JSON object per run")
+    parser.add_argument("--keys", default=os.environ.get("OFFLOOP_KEYS"),
+                        help="keys folder (from `offloop keys`), to read the progress of runs "
+                             "that have keys ($OFFLOOP_KEYS)")
+    parser.add_argument("--key-name", default="client", help="which client key pair in --keys")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     if not runs:
         print(f"no runs under {root}")
         return 0
-    rows = [_row(info) for info in runs]
+    rows = [_row(info, args.keys, args.key_name) for info in runs]
     if args.json:
         for row in rows:
             print(json.dumps(row))
@@ -36,9 +40,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _row(info) -> dict:
+def _row(info, keys: str | None, key_name: str) -> dict:
     status = "finished" if info.finished else _live_status(info)
-    progress = info.extra.get("progress") if info.finished else _live_progress(info) if status == "live" else None
+    progress = None
+    if info.finished:
+        progress = info.extra.get("progress")
+    elif status == "live":
+        progress = _live_progress(info, keys, key_name)
     return {
         "name": info.run_name, "status": status,
         "progress": _describe(progress, info.extra.get("config", {}).get("max_duration")),
@@ -59,17 +67,25 @@ def _live_status(info) -> str:
     return "live"
 
 
-def _live_progress(info) -> dict | None:
-    """The latest batch_end from the run's late-join state (a quick request)."""
+def _live_progress(info, keys: str | None, key_name: str) -> dict | None:
+    """The latest batch_end from the run's late-join state (a quick request); None when
+    it cannot be had (a run with keys and no --keys, say)."""
     import zmq
 
+    from bus.security import SecurityError, client_keys_for
     from bus.wire import decode_event, decode_reply, encode_request
 
     endpoint = info.endpoints.get("state")
     if not endpoint:
         return None
+    try:
+        curve = client_keys_for(info, keys, key_name)
+    except SecurityError:
+        return None
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
+    if curve is not None:
+        curve.apply(sock)
     try:
         sock.connect(endpoint)
         sock.send(encode_request("state_req", topics=["batch_end", "epoch_end"]))

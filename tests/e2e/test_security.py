@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -91,6 +92,12 @@ def test_only_authorised_keys_reach_a_trainer_with_keys(tmp_path, caplog):
         assert fit.is_alive() and not trainer._stop  # training went on
 
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # `ls` reads a keyed run's progress only with an authorised key
+        listed = [subprocess.run([sys.executable, "-m", "offloop.cli", "ls", "--runs-root", str(tmp_path),
+                                  "--json", *extra], capture_output=True, text=True, timeout=60, env=env)
+                  for extra in ([], ["--keys", str(keys), "--key-name", "alice"])]
+        rows = [json.loads(done.stdout.splitlines()[0]) for done in listed]
+        assert rows[0]["progress"] == "-" and rows[1]["progress"].startswith("ep 0 ba "), rows
         halt = subprocess.run([sys.executable, "-m", "offloop.cli", "halt", str(tmp_path / "run"),
                                "--keys", str(keys), "--key-name", "alice", "--reason", "alice"],
                               capture_output=True, text=True, timeout=60, env=env)
