@@ -9,7 +9,6 @@ with one checkpoint.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import select
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.ddp_train import weights_digest  # the digest the ranks print
 
 from bus import ControlClient, RunNotFound, Subscriber, find_run
 
@@ -37,15 +37,6 @@ TOPICS = ["batch_end", "control_request", "checkpoint_saved", "fit_end"]
 def torchrun_command() -> list[str]:
     script = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     return [script] if script else [sys.executable, "-m", "torch.distributed.run"]
-
-
-def weights_digest(state_dict) -> str:
-    """The helper's digest: sha256 over every tensor's bytes, in key order."""
-    digest = hashlib.sha256()
-    for key in sorted(state_dict):
-        digest.update(key.encode())
-        digest.update(state_dict[key].detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 class Torchrun:

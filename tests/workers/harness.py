@@ -4,6 +4,7 @@ the test process, over real sockets) runs the callbacks, and the test reads the 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,19 @@ def dataset(n: int = 64, seed: int = 1) -> TensorDataset:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=gen)
     return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
+class Paced(nn.Module):
+    """The harness's classifier, taking `seconds` per training step (a stand-in for compute)."""
+
+    def __init__(self, seconds: float = 0.004):
+        super().__init__()
+        self.net, self.seconds = classifier(), seconds
+
+    def forward(self, x):
+        if self.training:
+            time.sleep(self.seconds)
+        return self.net(x)
 
 
 class MemoryLog(LoggerDestination):
@@ -75,4 +89,4 @@ def run_with_worker(callbacks: list, tmp_path: Path, *, max_duration: str = "3ep
     return trainer, worker
 
 
-__all__ = ["run_with_worker", "MemoryLog", "JSONLLogger", "classifier", "dataset"]
+__all__ = ["run_with_worker", "MemoryLog", "JSONLLogger", "Paced", "classifier", "dataset"]

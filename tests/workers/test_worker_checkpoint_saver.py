@@ -5,31 +5,16 @@ from __future__ import annotations
 
 import os
 import pickle
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from harness import MemoryLog, classifier, run_with_worker
-from torch import nn
+from harness import MemoryLog, Paced, run_with_worker
 
 from bus import Event
 from workers.callbacks import CheckpointSaver
 
 BATCHES = 8  # per epoch: the harness trains on 64 samples in batches of 8
-
-
-class Paced(nn.Module):
-    """The harness's classifier, taking `seconds` per training step (a stand-in for compute)."""
-
-    def __init__(self, seconds: float = 0.004):
-        super().__init__()
-        self.net, self.seconds = classifier(), seconds
-
-    def forward(self, x):
-        if self.training:
-            time.sleep(self.seconds)
-        return self.net(x)
 
 
 def run(saver, tmp_path, max_duration):

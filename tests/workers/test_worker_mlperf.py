@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import pickle
-import time
 
 import pytest
 import torchmetrics
-from harness import MemoryLog, classifier, run_with_worker
-from torch import nn
+from harness import MemoryLog, Paced, run_with_worker
 
 from workers import Callback
 from workers.callbacks import MLPerfCallback
@@ -32,19 +30,6 @@ class EvalRecorder(Callback):
 
     def eval_end(self, state, logger):
         self.values.append(state.eval_metrics["eval"]["MulticlassAccuracy"])
-
-
-class Paced(nn.Module):
-    """The harness classifier, a few milliseconds a training step, as real models take."""
-
-    def __init__(self, seconds: float = 0.004):
-        super().__init__()
-        self.net, self.seconds = classifier(), seconds
-
-    def forward(self, x):
-        if self.training:
-            time.sleep(self.seconds)
-        return self.net(x)
 
 
 def read_mllog(path) -> list[dict]:

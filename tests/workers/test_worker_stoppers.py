@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import pickle
 import threading
-import time
 
 import pytest
 import torch
 import torchmetrics
-from harness import MemoryLog, classifier, dataset, run_with_worker
-from torch import nn
+from harness import MemoryLog, Paced, dataset, run_with_worker
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
@@ -43,19 +41,6 @@ class Scripted(torchmetrics.Metric):
         value = self.script[min(self.calls, len(self.script) - 1)]
         self.calls += 1
         return torch.tensor(value)
-
-
-class Paced(nn.Module):
-    """The harness's classifier, taking `seconds` per training step (a stand-in for compute)."""
-
-    def __init__(self, seconds: float = 0.004):
-        super().__init__()
-        self.net, self.seconds = classifier(), seconds
-
-    def forward(self, x):
-        if self.training:
-            time.sleep(self.seconds)
-        return self.net(x)
 
 
 def scripted_loss(values):
