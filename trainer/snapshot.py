@@ -134,15 +134,15 @@ def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
 
 def _host_values(data: dict) -> dict:
     """0-d host tensors become Python numbers (in dicts, lists and tuples, at any depth);
-    larger host tensors travel as frames. A flat loop: this runs once per batch_end."""
-    out = {}
-    for key, value in data.items():
-        if isinstance(value, torch.Tensor):
-            out[key] = value.item() if value.ndim == 0 else value.detach()
-        elif isinstance(value, dict):
-            out[key] = _host_values(value)
-        elif isinstance(value, (list, tuple)):
-            out[key] = list(_host_values(dict(enumerate(value))).values())
-        else:
-            out[key] = value
-    return out
+    larger host tensors travel as frames."""
+    return {key: _host_value(value) for key, value in data.items()}
+
+
+def _host_value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.ndim == 0 else value.detach()
+    if isinstance(value, dict):
+        return _host_values(value)
+    if isinstance(value, (list, tuple)):
+        return [_host_value(item) for item in value]
+    return value
