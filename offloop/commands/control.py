@@ -70,7 +70,9 @@ def _ask(args: argparse.Namespace, op: str, request_args: dict):
     try:
         ack = client.request(op, request_args, timeout=args.timeout)
     except ControlTimeout:
-        abort(f"run {info.run_name} did not answer at {endpoint} within {args.timeout:g}s", 1)
+        hint = (" (a run with keys never answers a client whose key it has not authorised: "
+                "check --keys and --key-name)") if info.curve_public else ""
+        abort(f"run {info.run_name} did not answer at {endpoint} within {args.timeout:g}s{hint}", 1)
     except BusError as exc:
         abort(f"run {info.run_name}: {exc}", 1)
     finally:

@@ -62,6 +62,20 @@ def test_checkpoint_then_halt_a_live_run_then_ls_shows_it_finished(spawn, tmp_pa
     assert again.returncode == 1 and "has finished" in again.stderr
 
 
+def test_a_refused_checkpoint_exits_non_zero_naming_why_and_the_run_goes_on(spawn, tmp_path):
+    run_dir = tmp_path / "runs" / "job"
+    trainer = spawn("slow_trainer", run_dir, 2000, 0.02)
+    trainer.line()
+    wait_for(run_dir / "run.json")
+    (run_dir / "checkpoints").write_text("a file where the checkpoint folder should be")
+    refused = offloop("checkpoint", str(run_dir), "--tag", "nope")
+    assert refused.returncode == 1, refused.stdout
+    assert "run job refused the checkpoint: cannot write a checkpoint in" in refused.stderr, refused.stderr
+    halt = offloop("halt", str(run_dir))  # still training: the refusal cost it nothing
+    assert halt.returncode == 0, halt.stderr
+    trainer.wait(timeout=30)
+
+
 def test_halt_of_unknown_or_dead_runs_fails_clearly(tmp_path, free_port):
     unknown = offloop("halt", "nope", "--runs-root", str(tmp_path))
     assert unknown.returncode == 1 and "no run 'nope'" in unknown.stderr
