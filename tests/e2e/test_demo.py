@@ -29,3 +29,15 @@ def test_demo_trains_stops_early_checkpoints_and_exits_zero(tmp_path):
     info = json.loads((run_dir / "run.json").read_text())
     assert info["finished"] and info["extra"]["stopped_by"]["reason"].startswith("EarlyStopper")
     assert str(run_dir) in out and "metrics log" in out
+
+
+def test_demo_honours_max_duration(tmp_path):
+    run_dir = tmp_path / "short"
+    proc = subprocess.run([sys.executable, "-m", "offloop.cli", "demo", "--run-dir", str(run_dir),
+                           "--max-duration", "3ep"],
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["finished"] and info["extra"]["progress"]["epoch"] == 3
+    assert info["extra"]["stopped_by"] is None  # max_duration ended it, not the stopper
