@@ -203,6 +203,13 @@ def run(args: argparse.Namespace) -> int:
     if args.once:
         while (msg := sub.recv(timeout=0)) is not None:
             view.take(msg)
+        # the late-join state holds one batch_end: listen up to a second for a second one,
+        # so that throughput and ETA can be shown
+        deadline = time.monotonic() + 1.0
+        while view.last_batch == view.first_batch and (left := deadline - time.monotonic()) > 0:
+            if (msg := sub.recv(timeout=left)) is None:
+                break
+            view.take(msg)
         console.print(render(view, sub.stats, sub.publisher_drops))
         sub.close()
         return 0

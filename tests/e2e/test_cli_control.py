@@ -48,6 +48,7 @@ def test_checkpoint_then_halt_a_live_run_then_ls_shows_it_finished(spawn, tmp_pa
     screen = offloop("attach", str(run_dir), "--once")
     assert screen.returncode == 0, screen.stderr
     assert "checkpoints  2, last" in screen.stdout and "control      2 requests" in screen.stdout, screen.stdout
+    assert "batches/s" in screen.stdout and "ETA ?" not in screen.stdout, screen.stdout
 
     halt = offloop("halt", str(run_dir), "--reason", "from the test")
     assert halt.returncode == 0, halt.stderr
