@@ -411,3 +411,39 @@ def test_the_trainer_view_is_read_only_and_says_what_a_worker_cannot_reach():
     with pytest.raises(AttributeError, match="cannot set trainer.model"):
         view.model = None
     assert view.run_config.is_world_process_zero and view.run_history.current_epoch == 1
+
+
+@pytest.mark.parametrize("reset_on_train, stop_epoch, best", [
+    (False, 3, 0.9),  # the first fit's best (0.9) still stands: 0.95 at epoch 3 is no improvement
+    (True, 4, 0.95),  # forgotten at the second fit_start: 0.95 is the new first best
+])
+def test_reset_on_train_decides_whether_a_second_fit_remembers_the_best(
+        tmp_path, reset_on_train, stop_epoch, best):
+    import threading
+
+    from harness import Paced, dataset
+
+    from workers import Worker
+
+    callback = bounded(EarlyStoppingCallback(watch_metric="ScriptedScore", early_stopping_patience=1,
+                                             reset_on_train=reset_on_train))
+    trainer = Trainer(Paced(), DataLoader(dataset(), batch_size=8, shuffle=True), "2ep",
+                      loss_fn=torch.nn.functional.cross_entropy,
+                      eval_dataloader=DataLoader(dataset(32, seed=2), batch_size=16),
+                      eval_metrics=[ScriptedScore([1.0, 0.9, 0.95, 0.96])], run_dir=tmp_path / "run", seed=3)
+    # one worker for both fits: it stays after the first fit_end, until the stream closes
+    worker = Worker(str(tmp_path / "run"), [callback], destinations=[MemoryLog()], heartbeat_timeout=30,
+                    exit_on_fit_end=False)
+    worker.connect()
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        trainer.fit()
+        trainer.fit(duration="4ep")
+    finally:
+        trainer.close()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert callback.stopped_epoch == stop_epoch and callback.best_metric == pytest.approx(best)
+    if not reset_on_train:
+        assert_halted_at_ack(trainer, callback.halt_ack, 3 * BATCHES, 4 * BATCHES)

@@ -899,6 +899,8 @@ class EarlyStoppingCallback(TrainerCallback):
             self.early_stopping_patience_counter = 0
 
     def on_training_run_epoch_end(self, trainer, **kwargs):
+        if self.stopped_epoch is not None:
+            return  # it has asked to stop this run; epochs the halt arrives too late for change nothing
         current = _new_value(self, trainer, self.watch_metric)
         if current is None:
             return
