@@ -236,6 +236,15 @@ def _no_ext(code: int, payload: bytes) -> Any:
 def _unpack(body: bytes | memoryview, limits: Limits, frames=None) -> Any:
     """msgpack-decode a body; every string, array and map is bounded by the body's own
     size (msgpack's default) and containers by `limits.max_container_len`."""
+    if frames is None:  # the common case: no tensor frames, no closure to build
+        try:
+            return msgpack.unpackb(body, strict_map_key=True, ext_hook=_no_ext,
+                                   max_array_len=limits.max_container_len,
+                                   max_map_len=limits.max_container_len)
+        except WireError:
+            raise
+        except Exception as exc:
+            raise WireError(f"malformed msgpack body: {exc.__class__.__name__}: {exc}") from None
     used: set[int] = set()
 
     def ext_hook(code: int, payload: bytes) -> Any:
