@@ -12,13 +12,12 @@ import os
 import platform
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import IO, Any
 
 from workers.callback import Callback
-from workers.state import Timestamp
+from workers.callbacks._halting import BackgroundHalt
 
 __all__ = ["MLPerfCallback", "get_system_description"]
 
@@ -31,7 +30,7 @@ STATUS = ("onprem", "cloud", "preview")
 _POINT, _START, _END = "POINT_IN_TIME", "INTERVAL_START", "INTERVAL_END"
 
 
-class MLPerfCallback(Callback):
+class MLPerfCallback(BackgroundHalt, Callback):
     """Write an MLPerf Training result file for the run (Composer's MLPerfCallback).
 
     The submission folder gets Composer's layout::
@@ -57,9 +56,6 @@ class MLPerfCallback(Callback):
         host_processors_per_node: recorded in the system description.
         exit_at_target: ask the trainer to halt once the target is reached.
     """
-
-    #: how long close() waits for the trainer's answer to a halt still in flight
-    close_timeout: float = 2.0
 
     def __init__(
         self,
@@ -110,15 +106,11 @@ class MLPerfCallback(Callback):
         self.success = False
         #: (time value, metric value) at each evaluation, in order
         self.accuracies: list[tuple[int, float]] = []
-        #: the timestamp at which exit_at_target asked for a halt, and the trainer's answer
-        self.halted_at: Timestamp | None = None
-        self.halt_ack = None
-        self.halt_error: str | None = None
+        #: where exit_at_target asked for a halt (halted_at), and the answer (halt_ack, halt_error)
+        self._init_halt()
         self._file: IO[str] | None = None
         self._logged: set[str] = set()
         self._stopped = False  # run_stop written: nothing more goes into the file
-        self._sender: threading.Thread | None = None
-        self._reported = False
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (the trainer sends each callback to its worker process): no file, no
@@ -194,8 +186,7 @@ class MLPerfCallback(Callback):
         if self._file is not None:  # the worker stops before fit_end (the trainer fell silent)
             self._run_stop(state, "aborted")
             self._close_file()
-        if self._sender is not None:
-            self._sender.join(self.close_timeout)
+        self.wait(self.close_timeout)
         self._report(logger, final=True)
 
     # ------------------------------------------------------------- the file
@@ -286,38 +277,8 @@ class MLPerfCallback(Callback):
     # ------------------------------------------------------------- halting
 
     def _halt(self, state, logger, accuracy: float) -> None:
-        reason = (f"MLPerfCallback: {self.metric_name} {accuracy:.6g} reached the target "
-                  f"{self.target:.6g}")
-        self.halted_at = state.timestamp
-        if state.max_duration is not None and state.max_duration.reached(state.timestamp):
-            self.halt_error = "the run reaches max_duration here: nothing is left to stop"
-            return
-        if self._control is None:
-            self.halt(reason)  # raises NotAttachedError, which says what is missing
-        logger.log_text(f"{reason}; asking the trainer to stop")
-        self._sender = threading.Thread(target=self._send_halt, args=(reason,),
-                                        name="offloop-MLPerfCallback-halt", daemon=True)
-        self._sender.start()
-
-    def _send_halt(self, reason: str) -> None:
-        try:
-            self.halt_ack = self.halt(reason)
-        except Exception as exc:  # reported on the worker's thread by _report()
-            self.halt_error = f"{type(exc).__name__}: {exc}"
-
-    def _report(self, logger, final: bool = False) -> None:
-        if self._reported or self._sender is None or (self._sender.is_alive() and not final):
-            return
-        self._reported = True
-        ack = self.halt_ack
-        if ack is not None and ack.ok:
-            logger.log_text(f"MLPerfCallback: the trainer stopped after batch {ack.result.get('step')}")
-        elif ack is not None:
-            logger.log_text(f"MLPerfCallback: the trainer refused the halt: {ack.error}")
-        elif self._sender.is_alive():
-            logger.log_text("MLPerfCallback: no answer to the halt before the worker closed")
-        else:
-            logger.log_text(f"MLPerfCallback: the halt request failed: {self.halt_error}")
+        self._ask_halt(state, logger, f"MLPerfCallback: {self.metric_name} {accuracy:.6g} "
+                                      f"reached the target {self.target:.6g}")
 
 
 def _times(value: Any, world_size: int) -> int | None:

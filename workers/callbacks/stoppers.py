@@ -8,13 +8,13 @@ while the trainer applies it at its next batch boundary.
 from __future__ import annotations
 
 import operator
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from bus import Time, TimeUnit
 from bus.duration import DurationError
 from workers.callback import Callback
+from workers.callbacks._halting import BackgroundHalt
 from workers.state import Timestamp
 
 __all__ = ["ThresholdStopper", "EarlyStopper"]
@@ -64,11 +64,8 @@ def _scalar(owner: str, monitor: str, label: str, value: Any) -> float:
     return float(value)
 
 
-class _Stopper(Callback):
+class _Stopper(BackgroundHalt, Callback):
     """Reads the monitored value and sends one halt request from a background thread."""
-
-    #: how long close() waits for the trainer's answer to a halt still in flight
-    close_timeout: float = 2.0
 
     def __init__(self, monitor: str, dataloader_label: str) -> None:
         if not isinstance(monitor, str) or not monitor:
@@ -77,15 +74,9 @@ class _Stopper(Callback):
             raise ValueError(f"{type(self).__name__}: dataloader_label must be 'train', 'eval' or an "
                              f"eval dataloader label, got {dataloader_label!r}")
         self.monitor, self.dataloader_label = monitor, dataloader_label
-        #: the timestamp at which this callback decided to stop (None until it does)
-        self.halted_at: Timestamp | None = None
+        self._init_halt()  # halted_at, halt_ack (`.ok`, `.result['step']`), halt_error
         self.halt_reason = ""
-        #: the trainer's answer (`.ok`, `.result['step']`), once it has come
-        self.halt_ack = None
-        self.halt_error: str | None = None
         self._train_values: dict[str, Any] = {}
-        self._sender: threading.Thread | None = None
-        self._reported = False
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (the trainer sends each callback to its worker process): no thread."""
@@ -118,47 +109,9 @@ class _Stopper(Callback):
     def _halt_once(self, state, logger, reason: str) -> None:
         if self.halted_at is not None:
             return
-        name = type(self).__name__
         where = f"epoch {state.timestamp.epoch}, batch {state.timestamp.batch}"
-        reason = f"{name} at {where}: {reason}"
-        self.halted_at, self.halt_reason = state.timestamp, reason
-        if state.max_duration is not None and state.max_duration.reached(state.timestamp):
-            self.halt_error = "the run reaches max_duration here: nothing is left to stop"
-            logger.log_text(f"{reason}; training ends here anyway")
-            return
-        if self._control is None:
-            self.halt(reason)  # raises NotAttachedError, which says what is missing
-        logger.log_text(f"{reason}; asking the trainer to stop")
-        self._sender = threading.Thread(target=self._send_halt, args=(reason,),
-                                        name=f"offloop-{name}-halt", daemon=True)
-        self._sender.start()
-
-    def _send_halt(self, reason: str) -> None:
-        try:
-            self.halt_ack = self.halt(reason)
-        except Exception as exc:  # reported on the worker's thread by _report()
-            self.halt_error = f"{type(exc).__name__}: {exc}"
-
-    def wait(self, timeout: float) -> Any:
-        """Wait up to `timeout` seconds for the trainer's answer; returns the ack or None."""
-        if self._sender is not None:
-            self._sender.join(timeout)
-        return self.halt_ack
-
-    def _report(self, logger, final: bool = False) -> None:
-        """Log the trainer's answer once it has come (or, at close, that it has not)."""
-        if self._reported or self._sender is None or (self._sender.is_alive() and not final):
-            return
-        self._reported = True
-        name, ack = type(self).__name__, self.halt_ack
-        if ack is not None and ack.ok:
-            logger.log_text(f"{name}: the trainer stopped after batch {ack.result.get('step')}")
-        elif ack is not None:
-            logger.log_text(f"{name}: the trainer refused the halt: {ack.error}")
-        elif self._sender.is_alive():
-            logger.log_text(f"{name}: no answer to the halt before the worker closed")
-        else:
-            logger.log_text(f"{name}: the halt request failed: {self.halt_error}")
+        self.halt_reason = f"{type(self).__name__} at {where}: {reason}"
+        self._ask_halt(state, logger, self.halt_reason)
 
     def batch_end(self, state, logger) -> None:
         self._report(logger)
