@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from bus import ControlClient
+
 
 def mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
@@ -42,3 +44,16 @@ class GatedDataset(Dataset):
             if not self.release.wait(timeout=30):
                 raise TimeoutError("gate never released")
         return self.base[index]
+
+
+def ask(endpoint: str, op: str, args: dict, out: dict) -> threading.Thread:
+    """Send a control request from another thread (request() waits for its ack); the ack
+    lands in out[op]."""
+
+    def run():
+        with ControlClient(endpoint) as client:
+            out[op] = client.request(op, args, timeout=30)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread

@@ -16,15 +16,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from common import ask
 from helpers.ddp_train import weights_digest  # the digest the ranks print
 
-from bus import ControlClient, RunNotFound, Subscriber, find_run
+from bus import RunNotFound, Subscriber, find_run
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPER = ROOT / "tests" / "helpers" / "ddp_train.py"
@@ -161,18 +161,6 @@ def wait_for_run(run: Torchrun, timeout: float = 30.0):
             time.sleep(0.02)
 
 
-def request(endpoint: str, op: str, args: dict, out: dict) -> threading.Thread:
-    """Send a control request from a thread (the client waits for the ack)."""
-
-    def send():
-        with ControlClient(endpoint) as client:
-            out[op] = client.request(op, args, timeout=30)
-
-    thread = threading.Thread(target=send, daemon=True)
-    thread.start()
-    return thread
-
-
 def drain(subs: dict[int, Subscriber], timeout: float = 30.0) -> dict[int, list]:
     """Every rank's events until its publisher has finished (final heartbeat)."""
     got: dict[int, list] = {rank: [] for rank in subs}
@@ -214,8 +202,8 @@ def halted(launch, reference, sigterm_run):
     for sub in subs.values():
         sub.connect(join_timeout=10)
     acks: dict = {}
-    threads = [request(info.endpoints["control"], "checkpoint", {"tag": "resume"}, acks),
-               request(info.endpoints["control"], "halt", {"reason": "test"}, acks)]
+    threads = [ask(info.endpoints["control"], "checkpoint", {"tag": "resume"}, acks),
+               ask(info.endpoints["control"], "halt", {"reason": "test"}, acks)]
     try:
         events = drain(subs)
     finally:

@@ -8,24 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import GatedDataset, data, loader, mlp
+from common import GatedDataset, ask, data, loader, mlp
 
-from bus import ControlClient, Subscriber
+from bus import Subscriber
 from trainer import Trainer
 
 F = torch.nn.functional
-
-
-def ask(endpoint: str, op: str, args: dict, out: dict) -> threading.Thread:
-    """Send a request from another thread (request() waits for its ack)."""
-
-    def run():
-        with ControlClient(endpoint) as client:
-            out[op] = client.request(op, args, timeout=30)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
 
 
 def gated_run(tmp_path: Path, gate_at: int, requests: list[tuple[str, dict]], **kw):

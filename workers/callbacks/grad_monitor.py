@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus import Time, TimeUnit
-from bus.duration import DurationError
+from bus import Time
 from workers.callback import Callback
+from workers.callbacks._intervals import batch_or_epoch_interval
 
 __all__ = ["OptimizerMonitor", "GradMonitor"]
 
@@ -31,7 +31,7 @@ class OptimizerMonitor(Callback):
                  only_global: bool = False) -> None:
         self.log_optimizer_metrics = bool(log_optimizer_metrics)
         self.only_global = bool(only_global)
-        self.interval = _interval(type(self).__name__, interval)
+        self.interval = batch_or_epoch_interval(type(self).__name__, interval)
         self._norms: tuple[int, float, dict[str, float]] | None = None  # (batch, global, per param)
 
     def after_train_batch(self, state, logger) -> None:
@@ -71,15 +71,3 @@ class GradMonitor(OptimizerMonitor):
         if self.log_layer_grad_norms:
             metrics.update({f"layer_grad_l2_norm/{name}": v for name, v in per_param.items()})
         return metrics
-
-
-def _interval(owner: str, interval: Any) -> Time:
-    try:
-        parsed = (Time(interval, TimeUnit.BATCH) if isinstance(interval, int) and not isinstance(interval, bool)
-                  else Time.parse(interval))
-    except DurationError as exc:
-        raise ValueError(f"{owner}: interval: {exc}") from None
-    if parsed.unit not in (TimeUnit.BATCH, TimeUnit.EPOCH) or parsed.value < 1:
-        raise ValueError(f"{owner}: interval {interval!r} must be a positive number of batches or "
-                         "epochs (e.g. 1, '10ba', '1ep')")
-    return parsed

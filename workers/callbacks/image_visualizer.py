@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from bus import Time, TimeUnit
-from bus.duration import DurationError
 from workers.callback import Callback
+from workers.callbacks._intervals import batch_or_epoch_interval
 
 __all__ = ["ImageVisualizer", "write_png"]
 
@@ -79,7 +79,7 @@ class ImageVisualizer(Callback):
             raise ValueError(f"ImageVisualizer: mode {mode!r} is not one of {', '.join(_MODES)}")
         if isinstance(num_images, bool) or not isinstance(num_images, int) or num_images < 1:
             raise ValueError(f"ImageVisualizer: num_images must be an int >= 1, got {num_images!r}")
-        self.interval = _interval(interval)
+        self.interval = batch_or_epoch_interval("ImageVisualizer", interval)
         self.mode = mode.lower()
         self.num_images = num_images
         self.channels_last = bool(channels_last)
@@ -189,17 +189,6 @@ class ImageVisualizer(Callback):
 # ---------------------------------------------------------------------- helpers
 
 
-def _interval(value: int | str | Time) -> Time:
-    if isinstance(value, bool):
-        raise ValueError(f"ImageVisualizer: interval {value!r} is not a duration")
-    try:
-        interval = Time(value, TimeUnit.BATCH) if isinstance(value, int) else Time.parse(value)
-    except DurationError as exc:
-        raise ValueError(f"ImageVisualizer: interval: {exc}") from None
-    if interval.unit not in (TimeUnit.BATCH, TimeUnit.EPOCH) or interval.value < 1:
-        raise ValueError(f"ImageVisualizer: interval {value!r} must be a positive number of batches "
-                         "or epochs ('100ba', '1ep')")
-    return interval
 
 
 def _safe(text: str) -> str:
