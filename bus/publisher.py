@@ -14,20 +14,25 @@ The proxy runs in libzmq without the GIL, so the publishing thread pays one
 non-blocking send per event and nothing more. A send that finds the proxy asleep wakes
 it, which costs the sender a cross-CPU wake-up (about 14 µs on a virtual machine); a
 loop that publishes many events a step can `hold()` them and `release()` them in one
-burst, which wakes the proxy once.
+burst, which wakes the proxy once. Subscribers of everything get each burst as one
+message (topic ``_burst``: one receive and one decode for a whole step's events);
+subscribers of single topics get those topics' events as messages of their own.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
+from collections import deque
 from typing import Any
 
 import zmq
 
 from bus.events import RUN_TOPICS, Event
 from bus.wire import (
+    BURST_PREFIX,
     DEFAULT_LIMITS,
     HEARTBEAT_TOPIC,
     EventEncoder,
@@ -40,6 +45,8 @@ from bus.wire import (
 )
 
 __all__ = ["Publisher", "DEFAULT_RETAINED"]
+
+log = logging.getLogger("offloop.bus")
 
 #: Topics serialized even with no subscriber, so a late joiner sees them at once.
 DEFAULT_RETAINED = frozenset(
@@ -59,9 +66,10 @@ DEFAULT_RETAINED = frozenset(
 )
 
 _HB_PREFIX = topic_prefix(HEARTBEAT_TOPIC)
-_DRAIN_EVERY = 4096
+_DRAIN_EVERY = 4096  # the publishing socket's own copy of the subscriptions is drained this often
 _HOLD_AT_MOST = 256  # held events sent anyway once this many wait
-_SUBSCRIPTION_SETTLE = 0.01  # seconds; libzmq's max_command_delay is 3M TSC ticks (~1 ms)  # the publishing socket's own copy of the subscriptions is drained this often
+_STALL_CHECK = 0.05  # seconds: held events older than this (and the interval) leave from the service thread
+_SUBSCRIPTION_SETTLE = 0.01  # seconds; libzmq's max_command_delay is 3M TSC ticks (~1 ms)
 
 
 class Publisher:
@@ -98,21 +106,32 @@ class Publisher:
         self.state_requests = 0
         self.bad_requests = 0
         self.beats = 0
+        self.unencodable = 0  # held events left out at release(): a value the wire cannot carry
         self._retained = frozenset(retained)
-        self._wanted: frozenset[str] = self._retained
-        # open prefixes (b"" subscribes to everything): topics outside RUN_TOPICS that they
-        # select join `_wanted` the first time they are published
+        self._wanted: frozenset[str] = self._retained  # topics encoded when published
+        self._single: frozenset[str] = frozenset()  # topics sent as messages of their own
+        self._burst = False  # someone takes bursts (a subscriber of everything)
+        # open prefixes: topics outside RUN_TOPICS that they select join `_wanted` (and,
+        # for a prefix other than the burst's, `_single`) the first time they are published
         self._open_prefixes: tuple[str, ...] = ()
+        self._single_prefixes: tuple[str, ...] = ()
         self._seen_topics: set[str] = set()
         self._subscriptions: set[bytes] = set()  # SUB prefixes in force; service thread only
         self._tseq: dict[str, int] = {}
         # hold(): events encoded now, sent at release(); heartbeats then announce only what
         # has been sent, (seq, tseq) as of the last release, so no held event counts as lost
         self._holding = False
-        self._held: list[list] = []
+        self._hold_interval = 0.0  # release_due() sends only once this long after the last burst
+        self._released_at = 0.0
+        # (topic, body, tensor frames, seq, tseq), body and frames as encode_body() made
+        # them; the publishing thread
+        # appends, whoever releases pops (under _send_lock, which also orders the sends)
+        self._held: deque[tuple] = deque()
+        self._send_lock = threading.Lock()
         self._beat_view: tuple[int, dict[str, int]] | None = None
-        self._latest: dict[str, tuple[int, list]] = {}
+        self._latest: dict[str, list] = {}  # the latest event of each topic, as held
         self._encoder = EventEncoder(run_id, self.publisher_id, rank)
+        self._state_encoder = EventEncoder(run_id, self.publisher_id, rank)  # service thread's
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         self._host, self._events_port, self._state_port = host, events_port, state_port
@@ -209,23 +228,41 @@ class Publisher:
     def publish(self, topic: str, ts, data: dict | None = None) -> bool:
         """Send one event; False when skipped (nobody wants it) or dropped (queue full).
 
-        `ts` is (epoch, batch, batch_in_epoch, sample, token); tensors in `data` must be
-        on the CPU and must not be modified afterwards (they are sent without a copy).
+        `ts` is (epoch, batch, batch_in_epoch, sample, token). `data` and `ts` are kept
+        as they are, not copied, until the event is encoded (when it is sent, or asked
+        for by a late joiner): do not modify them afterwards; tensors in `data` must be
+        on the CPU (their bytes are sent without a copy). Raises WireError for a topic
+        that is empty, holds NUL or starts with "_" (reserved). A value the wire cannot
+        carry is found when the event is encoded: raised here when nothing is held,
+        counted in `unencodable` and logged at release(); either way that event's
+        sequence numbers are spent, so subscribers count it lost.
         """
         if topic not in self._wanted and not (self._open_prefixes and self._opens(topic)):
             return False
+        tseq = self._tseq.get(topic)
+        if tseq is None:
+            _check_topic(topic)
+            tseq = 0
         seq = self.seq = self.seq + 1
-        tseq = self._tseq[topic] = self._tseq.get(topic, 0) + 1
-        frames = self._encoder.encode(topic, seq, tseq, ts, data or {})
-        self._latest[topic] = (seq, frames)
+        tseq = self._tseq[topic] = tseq + 1
+        event = [topic, seq, tseq, time.time(), ts, data if data is not None else {}]
+        self._latest[topic] = event
         if not seq % _DRAIN_EVERY:
-            self._drain_own_subscriptions()
+            with self._send_lock:
+                self._drain_own_subscriptions()
         if self._holding:
-            self._held.append(frames)
-            if len(self._held) >= _HOLD_AT_MOST:
+            held = self._held
+            held.append(event)
+            if len(held) >= _HOLD_AT_MOST:
                 self.release()
             return True
-        return self._send(frames)
+        sent = True
+        if topic in self._single:
+            sent = self._send(self._encoder.encode_event(event))
+        if self._burst:
+            for frames in self._encoder.bursts([event], self.limits):
+                sent = self._send(frames) and sent
+        return sent
 
     def _send(self, frames: list) -> bool:
         try:
@@ -244,25 +281,76 @@ class Publisher:
             return False
         self._seen_topics.add(topic)
         self._wanted = self._wanted | {topic}
+        if self._single_prefixes and topic.startswith(self._single_prefixes):
+            self._single = self._single | {topic}
         return True
 
-    def hold(self) -> None:
+    def hold(self, interval: float = 0.0) -> None:
         """From now on, publish() encodes each event (and the late-join state has it at
-        once) but sends it only at the next release(); call release() at every point where
-        the publishing loop may pause. Held events leave in order, as a burst."""
+        once) but sends it only at the next release(), or at the next release_due() once
+        `interval` seconds have passed since the last burst left. Call release_due() at
+        every step of a loop and release() wherever it may pause. Held events leave in
+        order, as a burst; at most 256 wait, whatever the interval."""
+        if interval < 0:
+            raise ValueError(f"hold interval must be >= 0, got {interval}")
+        self._hold_interval = interval
         if not self._holding:
             self._beat_view = (self.seq, dict(self._tseq))
+            self._released_at = time.perf_counter()  # the first interval starts now
             self._holding = True
 
+    def release_due(self) -> None:
+        """release(), if the last burst left at least the hold interval ago."""
+        if self._held and time.perf_counter() - self._released_at >= self._hold_interval:
+            self.release()
+
     def release(self, *, stop_holding: bool = False) -> None:
-        """Send every held event now (a full queue drops and counts, as always)."""
-        held, self._held = self._held, []
-        for frames in held:
-            self._send(frames)
-        if stop_holding:
-            self._holding, self._beat_view = False, None
-        elif held:
-            self._beat_view = (self.seq, dict(self._tseq))
+        """Send every held event now: one burst message (or several, within the size
+        limits) if anyone takes bursts, and each event of a singly subscribed topic as a
+        message of its own. A full queue drops and counts, as always; an event the wire
+        cannot carry is counted in `unencodable`, logged, and left out. Never raises."""
+        with self._send_lock:
+            queue = self._held
+            held = [queue.popleft() for _ in range(len(queue))]
+            if held:
+                self._released_at = time.perf_counter()
+                self._send_events(held)
+            if stop_holding:
+                self._holding, self._beat_view = False, None
+            elif held:
+                # what has been sent: the last released event's seq and every topic's tseq
+                # up to it (events published while this release ran are still held)
+                self._beat_view = _sent_view(held, self._beat_view)
+
+    def _send_events(self, events: list[list]) -> None:
+        encoder = self._encoder
+        if self._burst:
+            try:
+                bursts = encoder.bursts(events, self.limits)
+            except Exception:  # one event the wire cannot carry: leave it out, send the rest
+                events = self._encodable(events)
+                bursts = encoder.bursts(events, self.limits) if events else []
+            for frames in bursts:
+                self._send(frames)
+        single = self._single
+        if single:
+            for event in events:
+                if event[0] in single:
+                    try:
+                        frames = encoder.encode_event(event)
+                    except Exception:
+                        self._encodable([event])
+                        continue
+                    self._send(frames)
+
+    def _encodable(self, events: list[list]) -> list[list]:
+        good, bad = self._encoder.split_unencodable(events)
+        for event, why in bad:
+            self.unencodable += 1
+            if self.unencodable == 1 or self.unencodable % 1000 == 0:
+                log.warning("offloop: %s event not sent (%d so far): %s", event[0],
+                            self.unencodable, why)
+        return good
 
     def set_config(self, config: dict[str, Any]) -> None:
         """The run config every late joiner receives first."""
@@ -290,7 +378,11 @@ class Publisher:
                 if now >= next_beat:
                     self._beat(heartbeat)
                     next_beat = now + self.heartbeat_interval
-                ready = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
+                wait = max(0.0, next_beat - time.monotonic())
+                if self._holding:
+                    wait = min(wait, _STALL_CHECK)
+                ready = dict(poller.poll(wait * 1000))
+                self._release_stalled()
                 if heartbeat in ready:
                     self._track_subscriptions(heartbeat)
                 if router in ready:
@@ -301,6 +393,13 @@ class Publisher:
         finally:
             for sock in (heartbeat, router, stop):
                 sock.close(linger=0)
+
+    def _release_stalled(self) -> None:
+        """Held events the publishing loop has not released for a while (it is stuck in
+        a data loader, a long eval step, user code) leave from here."""
+        if self._holding and self._held and time.perf_counter() - self._released_at \
+                >= max(self._hold_interval, _STALL_CHECK):
+            self.release()
 
     def _beat(self, heartbeat: zmq.Socket, final: bool = False) -> None:
         self.beats += 1
@@ -325,11 +424,22 @@ class Publisher:
             if not change:
                 continue
             (self._subscriptions.add if change[0] == 1 else self._subscriptions.discard)(change[1:])
-        self._open_prefixes = tuple(p.decode(errors="replace") for p in self._subscriptions
-                                    if p != _HB_PREFIX and not p.endswith(b"\0"))
-        wanted = self._retained | _topics_for(self._subscriptions)
-        self._wanted = wanted | {t for t in tuple(self._seen_topics) if t.startswith(self._open_prefixes)} \
-            if self._open_prefixes else wanted
+        subscriptions = tuple(self._subscriptions)
+        # b"", b"_", ... b"_burst\0" select bursts: every event, one message per burst
+        burst = any(BURST_PREFIX.startswith(p) for p in subscriptions)
+        per_topic = [p for p in subscriptions if p != _HB_PREFIX and not BURST_PREFIX.startswith(p)]
+        prefixes = tuple(p.decode(errors="replace") for p in per_topic if not p.endswith(b"\0"))
+        seen = tuple(self._seen_topics)
+        single = _topics_for(per_topic)
+        if prefixes:
+            single |= {t for t in seen if t.startswith(prefixes)}
+        wanted = self._retained | single
+        if burst:
+            wanted |= frozenset(RUN_TOPICS) | frozenset(seen)
+        self._single, self._single_prefixes = frozenset(single), prefixes
+        self._burst = burst
+        self._open_prefixes = ("",) if burst else prefixes
+        self._wanted = frozenset(wanted)
 
     def _answer(self, router: zmq.Socket, heartbeat: zmq.Socket) -> None:
         while router.poll(0):
@@ -367,23 +477,47 @@ class Publisher:
                 )
 
     def _state_frames(self, topics: list[str] | None) -> list:
-        """The late-join state: a header naming each entry's frame count, then the entries."""
-        latest = sorted(dict(self._latest).items(), key=lambda item: item[1][0])
+        """The late-join state: a header naming each entry's frame count, then the entries.
+        Sequence numbers come from the same snapshot as the entries, so none counts an
+        event the state does not hold."""
+        snapshot = sorted(dict(self._latest).values(), key=lambda event: event[1])
+        tseq = {event[0]: event[2] for event in snapshot}
+        seq = snapshot[-1][1] if snapshot else 0
         if topics is not None:
             wanted = set(topics)
-            latest = [item for item in latest if item[0] in wanted]
+            snapshot = [event for event in snapshot if event[0] in wanted]
+        entries = []
+        for event in snapshot:
+            try:
+                entries.append(self._state_encoder.encode_event(event))
+            except Exception:  # counted when it was released; a late joiner starts after it
+                continue
         header = encode_reply(
-            "state", run=self.run_id, pub=self.publisher_id, rank=self.rank, seq=self.seq,
-            tseq=dict(self._tseq), beat=self.beats, config=self.config,
-            entries=[len(frames) for _, (_, frames) in latest],
+            "state", run=self.run_id, pub=self.publisher_id, rank=self.rank, seq=seq,
+            tseq=tseq, beat=self.beats, config=self.config,
+            entries=[len(frames) for frames in entries],
         )
         out: list = [header]
-        for _, (_, frames) in latest:
+        for frames in entries:
             out.extend(frames)
         return out
 
 
-def _topics_for(subscriptions: set[bytes]) -> frozenset[str]:
+def _sent_view(released: list[list], view: tuple[int, dict[str, int]] | None
+               ) -> tuple[int, dict[str, int]]:
+    """(seq, tseq by topic) as of the last of the released events, from the previous view."""
+    tseq = dict(view[1]) if view is not None else {}
+    for event in released:
+        tseq[event[0]] = event[2]
+    return released[-1][1], tseq
+
+
+def _check_topic(topic: str) -> None:
+    if not isinstance(topic, str) or not topic or "\0" in topic or topic.startswith("_"):
+        raise WireError(f"topic {topic!r} is empty, contains NUL or starts with '_' (reserved)")
+
+
+def _topics_for(subscriptions) -> frozenset[str]:
     """The topics a set of SUB prefixes selects (b"" selects every topic)."""
     wanted: set[str] = set()
     for prefix in subscriptions:

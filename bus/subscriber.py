@@ -17,10 +17,13 @@ import zmq
 
 from bus.errors import PublisherSilent, WireError
 from bus.wire import (
+    BURST_PREFIX,
+    BURST_TOPIC,
     DEFAULT_LIMITS,
     HEARTBEAT_TOPIC,
     Limits,
     Message,
+    decode_burst,
     decode_event,
     decode_reply,
     encode_request,
@@ -99,8 +102,9 @@ class Subscriber:
     def connect(self, join_timeout: float = 2.0) -> JoinState | None:
         """Subscribe, wait for the first heartbeat, and take the late-join state if a
         state endpoint was given. Raises PublisherSilent if nothing answers in time."""
-        if self.topics is None:
-            self._sub.subscribe(b"")
+        if self.topics is None:  # everything, as bursts: one message per burst of events
+            self._sub.subscribe(topic_prefix(BURST_TOPIC))
+            self._sub.subscribe(topic_prefix(HEARTBEAT_TOPIC))  # last: it proves the rest arrived
         else:
             for topic in sorted(self.topics):
                 self._sub.subscribe(topic_prefix(topic))
@@ -225,12 +229,20 @@ class Subscriber:
             self._sub.poll(max(0.0, wake - now) * 1000)
 
     def _take(self, frames: list) -> None:
+        head = frames[0]
         try:
-            msg = decode_event(frames, self.limits)
+            if head.startswith(BURST_PREFIX):
+                msgs = decode_burst(frames, self.limits)
+            else:
+                msg = decode_event(frames, self.limits)
         except WireError:
-            self.stats.malformed += 1
+            self.stats.malformed += 1  # its events are counted lost by the next heartbeats
             return
         self._last_heard = time.monotonic()
+        if head.startswith(BURST_PREFIX):
+            for msg in msgs:
+                self._accept(msg)
+            return
         if msg.topic == HEARTBEAT_TOPIC:  # not msg.kind: an event's kind field is only a string
             self.stats.heartbeats += 1
             self._latest_beat = max(self._latest_beat, msg.data.get("beat", 0))
@@ -239,6 +251,11 @@ class Subscriber:
             if msg.data.get("final") and self._final_at is None:
                 self._final_at = self._last_heard
             return
+        msg.raw = frames
+        self._accept(msg)
+
+    def _accept(self, msg: Message) -> None:
+        """Deliver an event unless it is a duplicate; count the gap before it."""
         key = (msg.pub, msg.topic)
         last = self._last.get(key, 0 if msg.pub in self._known_pubs else None)
         if last is not None:
@@ -249,7 +266,6 @@ class Subscriber:
                 self._count_gap(msg.topic, msg.tseq - last - 1)
         self._last[key] = msg.tseq
         self.stats.received += 1
-        msg.raw = frames
         self._pending.append(msg)
 
     def _settle_beats(self) -> None:

@@ -19,6 +19,18 @@ The envelope is positional because it is on every event: decoding an array costs
 half what a map with the same fields does. Everything rarer is a map.
 A tensor inside ``d`` is the msgpack ext type 1 whose payload is the msgpack
 array ``[frame_index, dtype, shape]``. Heartbeats travel on the topic ``_hb``.
+
+Burst message (several events in one ZeroMQ message, for subscribers of everything)::
+
+    frame 0   b"_burst\0" + msgpack array of 6:
+              [v = 1, kind = "bu", run: str, pub: str, rank: int,
+               events: [[topic, seq, tseq, t, ts, d], ...]]   # in publishing order
+    frame 1.. the tensor frames of every event, event after event
+
+Inside a burst, tensor descriptors number the burst's frames (1, 2, ... across all
+its events), each frame used exactly once. A publisher
+holding events sends them as one burst to subscribers of ``_burst`` (and to the empty
+prefix, which selects everything) and as single messages to subscribers of their topic.
 The late-join state, control requests and acks are documented with their
 encoders below.
 """
@@ -37,12 +49,15 @@ from bus.errors import WireError
 __all__ = [
     "VERSION",
     "HEARTBEAT_TOPIC",
+    "BURST_TOPIC",
     "WireError",
     "Limits",
     "TensorFrame",
     "Message",
     "EventEncoder",
     "decode_event",
+    "decode_burst",
+    "event_frames",
     "encode_heartbeat",
     "encode_request",
     "decode_request",
@@ -53,6 +68,8 @@ __all__ = [
 
 VERSION = 1
 HEARTBEAT_TOPIC = "_hb"
+BURST_TOPIC = "_burst"
+BURST_PREFIX = b"_burst\0"
 TENSOR_EXT = 1
 
 #: Bytes per element of every dtype a tensor frame may carry.
@@ -189,7 +206,8 @@ class EventEncoder:
     """Encodes event messages for one publisher; owned by the publishing thread.
 
     The constant part of the envelope (version, kind, run, publisher, rank) is
-    packed once per topic, so each event only packs what changes.
+    packed once per topic, so each event only packs what changes; a burst of events
+    is packed in one call.
     """
 
     def __init__(self, run: str, pub: str, rank: int) -> None:
@@ -200,8 +218,13 @@ class EventEncoder:
         # fixarray header of 10 entries, then the 5 constant fields without their own header
         self._constant = b"\x9a" + constant[1:]
         self._prefixes: dict[str, bytes] = {}
+        self._burst_head = BURST_PREFIX + b"\x96" + msgpack.packb([VERSION, "bu", run, pub, rank])[1:]
 
     def _default(self, value: Any) -> msgpack.ExtType:
+        if type(value) is TensorFrame:  # relayed as it arrived (a recorder re-framing an event)
+            self._frames.append(value.data)
+            return msgpack.ExtType(TENSOR_EXT, msgpack.packb([len(self._frames), value.dtype,
+                                                              list(value.shape)]))
         if _is_tensor(value):
             dtype, shape, view = _tensor_bytes(value)
             self._frames.append(view)
@@ -210,21 +233,74 @@ class EventEncoder:
             return value.item()
         raise WireError(f"cannot encode {type(value).__name__} on the wire (not pickled, by design)")
 
-    def encode(self, topic: str, seq: int, tseq: int, ts, data) -> list:
-        """Frames for one event; frame 0 starts with the topic prefix."""
-        prefix = self._prefixes.get(topic)
-        if prefix is None:
-            prefix = self._prefixes[topic] = topic_prefix(topic) + self._constant
+    def encode_body(self, seq: int, tseq: int, ts, data, t: float | None = None) -> tuple[bytes, list | None]:
+        """An event's variable fields (seq, tseq, t, ts, d) packed without their array
+        header, and its tensor frames (None when it has none)."""
         frames = self._frames
         if frames:
             frames.clear()
-        # the 5 variable fields, packed as an array whose 1-byte header is dropped
-        variable = self._packer.pack((seq, tseq, time.time(), ts, data))
+        body = self._packer.pack((seq, tseq, time.time() if t is None else t, ts, data))[1:]
         if frames:
-            out = [prefix + variable[1:], *frames]
             self._frames = []
-            return out
-        return [prefix + variable[1:]]
+            return body, frames
+        return body, None
+
+    def single(self, topic: str, body: bytes, tensors: list | None) -> list:
+        """The frames of an event sent on its own; frame 0 starts with the topic prefix."""
+        prefix = self._prefixes.get(topic)
+        if prefix is None:
+            prefix = self._prefixes[topic] = topic_prefix(topic) + self._constant
+        return [prefix + body, *tensors] if tensors else [prefix + body]
+
+    def encode(self, topic: str, seq: int, tseq: int, ts, data, t: float | None = None) -> list:
+        """Frames for one event sent on its own."""
+        return self.single(topic, *self.encode_body(seq, tseq, ts, data, t))
+
+    def encode_event(self, event: list) -> list:
+        """Frames for an event [topic, seq, tseq, t, ts, d] sent on its own."""
+        topic, seq, tseq, t, ts, data = event
+        return self.single(topic, *self.encode_body(seq, tseq, ts, data, t))
+
+    def bursts(self, events: list[list], limits: Limits = DEFAULT_LIMITS) -> list[list]:
+        """Burst messages for `events` ([topic, seq, tseq, t, ts, d] in publishing order),
+        packed in one call: one message, or several where one would pass the body, frame
+        or message size limits. Raises WireError if an event holds a value the wire
+        cannot carry (`split_unencodable()` finds which)."""
+        frames = self._frames
+        if frames:
+            frames.clear()
+        body = self._packer.pack(events)
+        if len(body) + len(self._burst_head) > limits.max_body_bytes or len(frames) > limits.max_frames \
+                or frames and sum(map(len, frames)) > limits.max_message_bytes - limits.max_body_bytes:
+            if len(events) > 1:
+                half = len(events) // 2
+                return self.bursts(events[:half], limits) + self.bursts(events[half:], limits)
+        if frames:
+            self._frames = []
+            return [[self._burst_head + body, *frames]]
+        return [[self._burst_head + body]]
+
+    def split_unencodable(self, events: list[list]) -> tuple[list[list], list[tuple[list, str]]]:
+        """(the events the wire can carry, [(event, why) for each one it cannot])."""
+        good, bad = [], []
+        for event in events:
+            try:
+                self._packer.pack(event)
+            except Exception as exc:  # WireError from _default, or msgpack's own TypeError/ValueError
+                bad.append((event, str(exc)))
+            else:
+                good.append(event)
+        self._frames = []
+        return good, bad
+
+
+def event_frames(msg: Message) -> list:
+    """The frames of `msg` as a message of its own: the frames it arrived in, or, for an
+    event that came in a burst, the same fields framed again (tensors without a copy)."""
+    if msg.raw is not None:
+        return msg.raw
+    return EventEncoder(msg.run, msg.pub, msg.rank).encode(msg.topic, msg.seq, msg.tseq,
+                                                           msg.ts, msg.data, msg.t)
 
 
 def _no_ext(code: int, payload: bytes) -> Any:
@@ -384,6 +460,50 @@ def _shape(value: Any) -> str:
     if isinstance(value, (list, dict)):
         return f"a {type(value).__name__} of {len(value)}"
     return type(value).__name__
+
+
+def decode_burst(frames, limits: Limits = DEFAULT_LIMITS) -> list[Message]:
+    """Decode a burst message into its events, in publishing order. The whole burst is
+    refused (one WireError) if any part of it is malformed."""
+    if len(frames) == 1:
+        head = frames[0] if type(frames[0]) is bytes else bytes(_frame_bytes(frames[0]))
+        if len(head) > limits.max_body_bytes:
+            raise WireError(f"message body is {len(head)} bytes, the limit is {limits.max_body_bytes}")
+        tensor_frames = None
+    else:
+        frames = [_frame_bytes(f) for f in frames]
+        check_size(frames, limits)
+        head = frames[0] if type(frames[0]) is bytes else bytes(frames[0])
+        tensor_frames = frames
+    if not head.startswith(BURST_PREFIX):
+        raise WireError("frame 0 of a burst must start with b'_burst\\0'")
+    body = _unpack(head[len(BURST_PREFIX):], limits, tensor_frames)
+    if type(body) is not list or len(body) != 6 or body[0] != VERSION:
+        version = body[0] if isinstance(body, list) and body else None
+        if isinstance(body, list) and body and version != VERSION:
+            raise WireError(f"wire version {version!r} is not supported (this build speaks {VERSION})")
+        raise WireError(f"burst body is {_shape(body)}, expected an array of 6 fields")
+    _, kind, run, pub, rank, events = body
+    if not (kind == "bu" and type(run) is str and type(pub) is str and type(rank) is int
+            and type(events) is list):
+        raise WireError("burst header must be [1, 'bu', run: str, pub: str, rank: int, events: list]")
+    out = []
+    append = out.append
+    for ev in events:
+        if type(ev) is not list or len(ev) != 6:
+            raise WireError(f"burst event is {_shape(ev)}, expected [topic, seq, tseq, t, ts, d]")
+        topic, seq, tseq, t, ts, d = ev
+        if type(topic) is not str:
+            raise WireError(f"burst event topic is {topic!r}, expected a string")
+        if not (type(seq) is int and type(tseq) is int and type(t) is float
+                and type(d) is dict and type(ts) is list and len(ts) == 5 and type(ts[0]) is int
+                and type(ts[1]) is int and type(ts[2]) is int and type(ts[3]) is int
+                and type(ts[4]) is int):
+            _explain_event([VERSION, "ev", run, pub, rank, seq, tseq, t, ts, d])
+        if not topic or topic[0] == "_" or "\0" in topic:
+            raise WireError(f"burst event topic {topic!r} is empty, reserved (_...) or contains NUL")
+        append(Message(topic, "ev", run, pub, rank, seq, tseq, t, tuple(ts), d))
+    return out
 
 
 def encode_heartbeat(run: str, pub: str, rank: int, seq: int, tseq: dict[str, int],

@@ -99,6 +99,7 @@ class Trainer:
         keys: str | os.PathLike | None = None,
         insecure: bool = False,
         heartbeat_interval: float = 0.5,
+        burst_interval: float = 0.005,
         checkpoint_on_sigterm: bool = True,
         worker_shutdown_timeout: float = 60.0,
     ) -> None:
@@ -126,6 +127,9 @@ class Trainer:
         if not isinstance(publish_samples, int) or publish_samples < 0:
             raise ConfigError(f"publish_samples must be an int >= 0, got {publish_samples!r}")
         self.publish_samples = publish_samples
+        if isinstance(burst_interval, bool) or not isinstance(burst_interval, (int, float)) \
+                or not 0 <= burst_interval <= 60:
+            raise ConfigError(f"burst_interval must be seconds between 0 and 60, got {burst_interval!r}")
 
         self.model = model.to(self.device)
         if self.world_size > 1 and not isinstance(model, nn.parallel.DistributedDataParallel):
@@ -184,7 +188,7 @@ class Trainer:
             except SecurityError as exc:
                 raise ConfigError(str(exc)) from None
             self._start_bus(host, heartbeat_interval)
-        self.emitter = Emitter(self.publisher, self.device)
+        self.emitter = Emitter(self.publisher, self.device, float(burst_interval))
         # a worker that hears no heartbeat for 10 intervals (3 s at least) takes the
         # trainer for dead: it closes its callbacks and exits
         self.workers = CallbackWorkers(callbacks or [], str(self.run_dir),
@@ -466,7 +470,7 @@ class Trainer:
             if self._sigterm and self.stopped_by is None:
                 self.stopped_by = {"reason": "SIGTERM", "client": "signal", "step": self.timestamp.batch}
         self._ckpts_due = ckpts
-        self.emitter.release()  # this batch's events, in one burst
+        self.emitter.release_due()  # this batch's events, with the last ones if the interval has passed
 
     def _save_requested(self, where: str) -> None:
         if not self._ckpts_due:
@@ -595,7 +599,7 @@ class Trainer:
                     if isinstance(inputs, torch.Tensor):
                         data["inputs"] = inputs.detach()
                 self.emitter.emit_tensors(E.EVAL_BATCH_END, ts, data)
-                self.emitter.release()
+                self.emitter.release_due()
         metrics = {name: metric.compute() for name, metric in self.eval_metrics.items()}
         if loss_sum is not None:
             metrics["loss"] = loss_sum / max(count, 1)
@@ -644,7 +648,7 @@ class Trainer:
                 outputs = self.model(inputs)
                 emit(E.PREDICT_AFTER_FORWARD, ts)
                 emit(E.PREDICT_BATCH_END, ts, {"batch_size": _batch_size(batch)})
-                self.emitter.release()
+                self.emitter.release_due()
                 if return_outputs:
                     outputs_all.append(outputs.detach().cpu() if isinstance(outputs, torch.Tensor) else outputs)
         emit(E.PREDICT_END, ts)

@@ -7,9 +7,10 @@ import time
 
 import msgpack
 import pytest
+import torch
 import zmq
 
-from bus import Publisher, PublisherSilent, Subscriber
+from bus import Publisher, PublisherSilent, Subscriber, WireError
 from bus.wire import EventEncoder
 
 
@@ -216,9 +217,10 @@ def test_held_events_leave_at_release_in_order_and_heartbeats_never_count_them_l
     with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
                     topics=["batch_end"], settle=0.2) as sub:
         sub.connect()
-        publisher.hold()
+        publisher.hold(interval=5.0)  # nothing leaves on its own for 5 s
         for i in range(1, 6):
             publisher.publish("batch_end", (0, i, i, i, 0), {"i": i})
+        publisher.release_due()  # the interval has not passed: still held
         # several heartbeats (every 0.1 s) pass while they are held: none announces them
         assert sub.recv(timeout=0.6) is None
         assert sub.stats.gaps == 0
@@ -231,3 +233,55 @@ def test_held_events_leave_at_release_in_order_and_heartbeats_never_count_them_l
         assert [sub.recv(timeout=5).data["i"] for _ in range(2)] == [6, 7]
         time.sleep(0.5)  # heartbeats after the last event: still nothing counted lost
         assert sub.recv(timeout=0.1) is None and sub.stats.gaps == 0 and sub.stats.received == 7
+
+
+def test_held_events_of_a_stalled_loop_leave_on_their_own_and_bursts_reach_subscribers_of_everything(
+        publisher):
+    with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"], settle=0.2) as every, \
+            Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
+                       topics=["batch_end"], settle=0.2) as one:
+        every.connect()
+        one.connect()
+        wait_until(lambda: publisher._burst and "batch_end" in publisher._single)
+        publisher.hold(interval=0.01)
+        for i in range(1, 4):
+            publisher.publish("batch_start", (0, i, i, i, 0), {"i": i})
+            publisher.publish("batch_end", (0, i, i, i, 0), {"i": i, "t": torch.arange(i)})
+        # the loop never calls release(): the publisher's own thread sends them (one burst)
+        start = time.monotonic()
+        got = [every.recv(timeout=2) for _ in range(6)]
+        assert time.monotonic() - start < 1.0
+        assert [(m.topic, m.data["i"]) for m in got] == [
+            (topic, i) for i in range(1, 4) for topic in ("batch_start", "batch_end")]
+        assert all(m.raw is None for m in got)  # they came in a burst, not one by one
+        assert [m.data["t"].to_torch().tolist() for m in got if m.topic == "batch_end"] == [
+            [0], [0, 1], [0, 1, 2]]
+        mine = [one.recv(timeout=2) for _ in range(3)]
+        assert [m.data["i"] for m in mine] == [1, 2, 3] and all(m.raw for m in mine)
+        time.sleep(0.5)  # heartbeats after the burst: nothing counted lost, nothing twice
+        assert every.recv(timeout=0.1) is None and one.recv(timeout=0.1) is None
+        assert every.stats.gaps == one.stats.gaps == 0
+        assert every.stats.duplicates == one.stats.duplicates == 0
+        publisher.release(stop_holding=True)
+
+
+def test_reserved_topics_are_refused_and_unencodable_held_events_are_counted_not_raised(publisher):
+    publisher._open_prefixes = ("",)  # as with a subscriber of everything
+    for topic in ("_hb", "_burst", "_mine", "a\0b"):
+        with pytest.raises(WireError):
+            publisher.publish(topic, (0, 0, 0, 0, 0), {})
+    with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"], settle=0.1) as sub:
+        sub.connect()
+        publisher.hold(interval=5.0)
+        publisher.publish("batch_end", (0, 1, 1, 1, 0), {"i": 1})
+        publisher.publish("batch_end", (0, 2, 2, 2, 0), {"odd": object()})
+        publisher.publish("batch_end", (0, 3, 3, 3, 0), {"i": 3})
+        publisher.release()  # does not raise
+        assert publisher.unencodable == 1
+        got = [sub.recv(timeout=2) for _ in range(2)]
+        assert [m.data["i"] for m in got] == [1, 3]
+        deadline = time.monotonic() + 3
+        while sub.stats.gaps == 0 and time.monotonic() < deadline:
+            sub.recv(timeout=0.05)
+        assert sub.stats.gaps == 1  # its sequence number was spent: counted lost
+        publisher.release(stop_holding=True)

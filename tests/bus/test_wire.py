@@ -11,12 +11,14 @@ from bus.wire import (
     EventEncoder,
     Limits,
     WireError,
+    decode_burst,
     decode_event,
     decode_reply,
     decode_request,
     encode_heartbeat,
     encode_reply,
     encode_request,
+    event_frames,
 )
 
 TENSORS = {
@@ -197,3 +199,87 @@ def test_deep_nesting_and_huge_declared_lengths_are_bounded():
 def test_bad_requests_raise_wire_error(raw):
     with pytest.raises(WireError):
         decode_request(raw)
+
+
+# ----------------------------------------------------------------------- bursts
+
+def burst_events(n=3):
+    return [[topic, seq, seq, 1.5 + seq, (0, seq, seq, 8 * seq, 0), data] for seq, (topic, data) in enumerate(
+        [("batch_start", {"batch_size": 8}), ("after_loss", {"loss": TENSORS["f32"]}),
+         ("batch_end", {"loss": 0.5, "t": [TENSORS["bf16"], TENSORS["strided"]]}),
+         ("eval_end", {"metrics": {"acc": 0.75}})][:n], start=1)]
+
+
+def test_a_burst_round_trips_its_events_in_order_with_their_tensors():
+    enc = EventEncoder("run-1", "pub-1", 2)
+    (frames,) = enc.bursts(burst_events(4))
+    assert frames[0].startswith(b"_burst\0") and len(frames) == 1 + 3  # tensors of every event, in order
+    msgs = decode_burst(frames)
+    assert [(m.topic, m.seq, m.tseq, m.t, m.ts) for m in msgs] == [
+        (e[0], e[1], e[2], e[3], e[4]) for e in burst_events(4)]
+    assert all((m.run, m.pub, m.rank, m.kind, m.raw) == ("run-1", "pub-1", 2, "ev", None) for m in msgs)
+    assert torch.equal(msgs[1].data["loss"].to_torch(), TENSORS["f32"])
+    bf16, strided = msgs[2].data["t"]
+    assert torch.equal(bf16.to_torch(), TENSORS["bf16"]) and torch.equal(strided.to_torch(), TENSORS["strided"].contiguous())
+    # framed alone again (what a recorder stores), each decodes as the event it was
+    for msg in msgs:
+        alone = decode_event(event_frames(msg))
+        assert (alone.topic, alone.seq, alone.tseq, alone.t, alone.ts) == (msg.topic, msg.seq, msg.tseq, msg.t, msg.ts)
+
+
+def test_a_burst_past_the_size_limits_is_split_and_loses_nothing():
+    enc = EventEncoder("run-1", "pub-1", 0)
+    events = [["batch_end", i, i, 1.0, (0, i, i, i, 0), {"pad": b"x" * 1000, "t": torch.arange(4)}]
+              for i in range(1, 41)]
+    limits = Limits(max_body_bytes=8 << 10, max_frames=8)
+    bursts = enc.bursts(events, limits)
+    assert len(bursts) >= 5
+    for frames in bursts:
+        assert len(frames[0]) <= limits.max_body_bytes and len(frames) - 1 <= limits.max_frames
+    got = [m for frames in bursts for m in decode_burst(frames, limits)]
+    assert [m.seq for m in got] == list(range(1, 41))
+    assert all(m.data["t"].to_torch().tolist() == [0, 1, 2, 3] for m in got)
+
+
+def test_unencodable_events_are_found_one_by_one():
+    enc = EventEncoder("run-1", "pub-1", 0)
+    events = burst_events(3)
+    events[1] = ["after_loss", 2, 2, 1.0, (0, 0, 0, 0, 0), {"odd": object()}]
+    with pytest.raises(WireError):
+        enc.bursts(events)
+    good, bad = enc.split_unencodable(events)
+    assert [e[1] for e in good] == [1, 3] and [e[1] for e, _ in bad] == [2]
+    assert "not pickled" in bad[0][1]
+    assert [m.seq for m in decode_burst(enc.bursts(good)[0])] == [1, 3]
+
+
+def _burst(body, *frames):
+    return [b"_burst\0" + msgpack.packb(body), *frames]
+
+
+GOOD_EVENT = ["batch_end", 1, 1, 1.0, [0, 1, 1, 8, 0], {}]
+BAD_BURSTS = {
+    "not a burst": [b"batch_end\0" + msgpack.packb([1])],
+    "not an array": _burst({"v": 1}),
+    "wrong version": _burst([2, "bu", "r", "p", 0, [GOOD_EVENT]]),
+    "wrong kind": _burst([1, "ev", "r", "p", 0, [GOOD_EVENT]]),
+    "events not a list": _burst([1, "bu", "r", "p", 0, {"a": 1}]),
+    "event too short": _burst([1, "bu", "r", "p", 0, [GOOD_EVENT[:5]]]),
+    "topic not a string": _burst([1, "bu", "r", "p", 0, [[7, *GOOD_EVENT[1:]]]]),
+    "reserved topic": _burst([1, "bu", "r", "p", 0, [["_hb", *GOOD_EVENT[1:]]]]),
+    "seq not an int": _burst([1, "bu", "r", "p", 0, [["batch_end", "1", *GOOD_EVENT[2:]]]]),
+    "ts too short": _burst([1, "bu", "r", "p", 0, [[*GOOD_EVENT[:4], [0, 1], {}]]]),
+    "tensor frame missing": _burst([1, "bu", "r", "p", 0, [[*GOOD_EVENT[:5], {
+        "t": msgpack.ExtType(1, msgpack.packb([1, "int64", [2]]))}]]]),
+    "tensor frame unused": _burst([1, "bu", "r", "p", 0, [GOOD_EVENT]], b"\0" * 8),
+    "tensor frame too short": _burst([1, "bu", "r", "p", 0, [[*GOOD_EVENT[:5], {
+        "t": msgpack.ExtType(1, msgpack.packb([1, "int64", [2]]))}]]], b"\0" * 8),
+    "truncated": [_burst([1, "bu", "r", "p", 0, [GOOD_EVENT]])[0][:-4]],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_BURSTS))
+def test_bad_bursts_raise_wire_error(name):
+    with pytest.raises(WireError):
+        decode_burst(BAD_BURSTS[name])
+    assert decode_burst(_burst([1, "bu", "r", "p", 0, [GOOD_EVENT]]))[0].topic == "batch_end"

@@ -111,3 +111,9 @@ def test_an_unreadable_checkpoint_ends_the_run_it_had_started(tmp_path):
     assert find_run(str(tmp_path / "run")).finished
     assert time.monotonic() - started < 30
 
+
+
+@pytest.mark.parametrize("interval", [-0.001, 61, "5ms", True, None])
+def test_bad_burst_interval_is_refused(interval, tmp_path):
+    with pytest.raises(ConfigError, match=r"burst_interval must be seconds between 0 and 60, got "):
+        make(burst_interval=interval, run_dir=tmp_path)

@@ -1,7 +1,8 @@
 """`Recorder`: writes every event it receives to a recording in the run directory.
 
-The recording keeps each event's wire frames as they arrived and marks gaps where
-events were lost, so `offloop replay` can feed it to callbacks later, offline.
+The recording keeps each event's wire frames as they arrived (an event that came in a
+burst is framed as a message of its own, its fields and tensor bytes unchanged) and
+marks gaps where events were lost, so `offloop replay` can feed it to callbacks later, offline.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 from bus.recording import RecordingWriter
+from bus.wire import event_frames
 from workers.callback import Callback
 
 __all__ = ["Recorder"]
@@ -34,8 +36,8 @@ class Recorder(Callback):
         self._writer = RecordingWriter(path, info.run_id, info.run_name, dict(config))
 
     def record(self, msg) -> None:
-        if self._writer is not None and msg.raw is not None:
-            self._writer.event(msg.raw)
+        if self._writer is not None:
+            self._writer.event(event_frames(msg))  # as it arrived, or framed alone if in a burst
 
     def record_gap(self, topic: str, n: int) -> None:
         if self._writer is not None:
