@@ -4,11 +4,20 @@ Prints one JSON object per measurement and, last, one summary object. Every figu
 is measured in this run, so the ratios hold on whatever machine runs it:
 
   (a) scalar snapshot event, one subscriber process   vs  floor: msgpack.packb + PUB send
+      - as the trainer publishes: held, steps of 13 events, a burst every 5 ms (the
+        Trainer's burst_interval), into a subscriber of everything; the mean over
+        every step, bursts included                                -> scalar_us
+      - the same, released (one burst) after every step            -> scalar_step_burst_us
+      - on its own: not held, one message per event, into a subscriber of its topic
+                                                                   -> scalar_single_us
   (b) an event nobody subscribes to
   (c) an event carrying a 1 MiB tensor (its bytes are sent without a Python-side copy)
-  (d) sustained events/s into one subscriber process, and the gaps it counted
+  (d) sustained events/s into one subscriber process that decodes every event and
+      counts gaps: held as the trainer holds them (bursts every 5 ms) into a subscriber
+      of everything -> events_per_s; and one message per event into a subscriber of
+      the topic -> events_per_s_single
 
-Run: python benchmarks/bus.py [--events N]
+Run: python benchmarks/bus.py [--calls N] [--events N] [--single-events N]
 """
 
 from __future__ import annotations
@@ -30,6 +39,9 @@ import torch  # noqa: E402
 import zmq  # noqa: E402
 
 from bus import Publisher, Subscriber  # noqa: E402
+
+STEP_EVENTS = 13  # events the trainer publishes per plain training step
+BURST_INTERVAL = 0.005  # the Trainer's default burst_interval
 
 
 def timed(fn, n: int) -> tuple[float, float]:
@@ -102,6 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=100_000)
     parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--single-events", type=int, default=300_000)
     args = parser.parse_args()
     torch.set_num_threads(1)
     ts = (0, 100, 100, 3200, 0)
@@ -123,14 +136,48 @@ def main() -> None:
     print(json.dumps({"case": "floor", "median_us": floor_med, "p99_us": floor_p99,
                       "send_only_median_us": send_med}), flush=True)
 
+    # (a) as the trainer publishes: a step's 13 events held, bursts every 5 ms (amortised
+    # mean over every step), and, apart, one burst after every step
+    pub = Publisher("bench-held", heartbeat_interval=0.5, queue_size=1_000_000, subscriber_hwm=0)
+    endpoints = pub.start()
+    reader, out = start_reader(endpoints["events"], endpoints["state"], None, expect=10**12)
+    steps = max(1, args.calls // STEP_EVENTS)
+    pub.hold(BURST_INTERVAL)
+
+    def step_due() -> None:
+        for _ in range(STEP_EVENTS):
+            pub.publish("batch_end", ts, scalar_payload(0))
+        pub.release_due()
+
+    step_due()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step_due()
+    scalar_mean = (time.perf_counter() - start) / (steps * STEP_EVENTS) * 1e6
+    pub.hold(0.0)
+
+    def step_burst() -> None:
+        for _ in range(STEP_EVENTS):
+            pub.publish("batch_end", ts, scalar_payload(0))
+        pub.release()
+
+    step_med, step_p99 = timed(step_burst, steps)
+    print(json.dumps({"case": "scalar_held", "events_per_step": STEP_EVENTS,
+                      "burst_interval_s": BURST_INTERVAL, "mean_us": scalar_mean,
+                      "ratio": scalar_mean / floor_med, "ratio_send_only": scalar_mean / send_med,
+                      "burst_every_step_median_us": step_med / STEP_EVENTS,
+                      "burst_every_step_p99_us": step_p99 / STEP_EVENTS}), flush=True)
+    pub.close(linger=0.1)
+    reader.kill()
+
     pub = Publisher("bench", heartbeat_interval=0.5, queue_size=1_000_000,
                     subscriber_hwm=0)
     endpoints = pub.start()
     reader, out = start_reader(endpoints["events"], endpoints["state"], ["batch_end", "eval_batch_end"],
                                expect=10**12)
-    scalar_med, scalar_p99 = timed(lambda: pub.publish("batch_end", ts, scalar_payload(0)), args.calls)
-    print(json.dumps({"case": "scalar", "median_us": scalar_med, "p99_us": scalar_p99,
-                      "ratio": scalar_med / floor_med}), flush=True)
+    single_med, single_p99 = timed(lambda: pub.publish("batch_end", ts, scalar_payload(0)), args.calls)
+    print(json.dumps({"case": "scalar_single", "median_us": single_med, "p99_us": single_p99,
+                      "ratio": single_med / floor_med}), flush=True)
 
     unsub_med, unsub_p99 = timed(lambda: pub.publish("after_forward", ts, None), args.calls)
     print(json.dumps({"case": "unsubscribed", "median_us": unsub_med, "p99_us": unsub_p99}),
@@ -146,30 +193,50 @@ def main() -> None:
     pub.close(linger=0.2)
     reader.kill()
 
-    throughput = sustained(args.events)
-    print(json.dumps({"case": "sustained", **throughput}), flush=True)
+    throughput = sustained(args.events, held=True)
+    print(json.dumps({"case": "sustained_held", **throughput}), flush=True)
+    single = sustained(args.single_events, held=False)
+    print(json.dumps({"case": "sustained_single", **single}), flush=True)
 
     print(json.dumps({
-        "scalar_us": round(scalar_med, 3), "scalar_p99_us": round(scalar_p99, 3),
+        "scalar_us": round(scalar_mean, 3),
         "floor_us": round(floor_med, 3), "floor_p99_us": round(floor_p99, 3),
         "floor_send_only_us": round(send_med, 3),
-        "scalar_ratio": round(scalar_med / floor_med, 3),
+        "scalar_ratio": round(scalar_mean / floor_med, 3),
+        "scalar_ratio_send_only": round(scalar_mean / send_med, 3),
+        "scalar_step_burst_us": round(step_med / STEP_EVENTS, 3),
+        "scalar_step_burst_p99_us": round(step_p99 / STEP_EVENTS, 3),
+        "scalar_single_us": round(single_med, 3), "scalar_single_p99_us": round(single_p99, 3),
+        "scalar_single_ratio": round(single_med / floor_med, 3),
         "unsubscribed_us": round(unsub_med, 3),
         "tensor_1mib_us": round(tensor_med, 3), "tensor_zero_copy": zero_copy,
         "events_per_s": round(throughput["events_per_s"]), "gaps": throughput["gaps"],
         "events": args.events,
+        "events_per_s_single": round(single["events_per_s"]), "gaps_single": single["gaps"],
+        "events_single": args.single_events,
     }))
 
 
-def sustained(n: int) -> dict:
-    """Publish n scalar events flat out into one subscriber process that decodes them all."""
+def sustained(n: int, held: bool) -> dict:
+    """Publish n scalar events flat out into one subscriber process that decodes them all:
+    held as the trainer holds them (steps of 13 events, a burst every 5 ms) into a
+    subscriber of everything, or one message each into a subscriber of the topic."""
     pub = Publisher("bench-sustained", heartbeat_interval=0.2, queue_size=n + 1, subscriber_hwm=0)
     endpoints = pub.start()
-    reader, out = start_reader(endpoints["events"], endpoints["state"], ["batch_end"], expect=n)
+    reader, out = start_reader(endpoints["events"], endpoints["state"], None if held else ["batch_end"],
+                               expect=n)
     ts = (0, 1, 1, 32, 0)
     start = time.perf_counter()
-    for _ in range(n):
-        pub.publish("batch_end", ts, {"loss": 0.5})
+    if held:
+        pub.hold(BURST_INTERVAL)
+        for i in range(1, n + 1):
+            pub.publish("batch_end", ts, {"loss": 0.5})
+            if not i % STEP_EVENTS:
+                pub.release_due()
+        pub.release(stop_holding=True)
+    else:
+        for _ in range(n):
+            pub.publish("batch_end", ts, {"loss": 0.5})
     sent_s = time.perf_counter() - start
     result = out.get(timeout=600)
     reader.join(timeout=30)
