@@ -44,7 +44,7 @@ from bus.wire import (
     topic_prefix,
 )
 
-__all__ = ["Publisher", "DEFAULT_RETAINED"]
+__all__ = ["Publisher", "DEFAULT_RETAINED", "HOLD_AT_MOST"]
 
 log = logging.getLogger("offloop.bus")
 
@@ -67,7 +67,7 @@ DEFAULT_RETAINED = frozenset(
 
 _HB_PREFIX = topic_prefix(HEARTBEAT_TOPIC)
 _DRAIN_EVERY = 4096  # the publishing socket's own copy of the subscriptions is drained this often
-_HOLD_AT_MOST = 256  # held events sent anyway once this many wait
+HOLD_AT_MOST = 256  # held events sent anyway once this many wait
 _STALL_CHECK = 0.05  # seconds: held events older than this (and the interval) leave from the service thread
 _SUBSCRIPTION_SETTLE = 0.01  # seconds; libzmq's max_command_delay is 3M TSC ticks (~1 ms)
 
@@ -253,7 +253,7 @@ class Publisher:
         if self._holding:
             held = self._held
             held.append(event)
-            if len(held) >= _HOLD_AT_MOST:
+            if len(held) >= HOLD_AT_MOST:
                 self.release()
             return True
         sent = True
