@@ -290,7 +290,9 @@ class Trainer:
         ts = self.timestamp
         self.emitter.emit(E.FIT_START, ts.as_tuple(), {"config": self.config()})
         self.model.train()
-        self._named_params = list(self.model.named_parameters())
+        named = list(self.model.named_parameters())
+        self._param_names = [name for name, _ in named]
+        self._params = [param for _, param in named]
         while not self._stop and not self.max_duration.reached(ts):
             if ts.epoch_in_iteration == 0 and ts.batch_in_epoch == 0:
                 self.emitter.emit(E.ITERATION_START, ts.as_tuple())
@@ -412,14 +414,18 @@ class Trainer:
 
     def _grad_snapshot(self, loss: torch.Tensor | None) -> dict[str, Any]:
         """Global gradient L2 norm, computed on the device (no sync); per-parameter opt-in."""
-        named = [(n, p.grad) for n, p in self._named_params if p.grad is not None]
-        if not named:
-            return {"grad_norm": None, "loss": loss}
-        norms = torch._foreach_norm([g.detach() for _, g in named])
+        # backward never builds a graph of the gradients here: they need no detach()
+        names, grads = self._param_names, [p.grad for p in self._params]
+        if any(g is None for g in grads):
+            names = [n for n, g in zip(names, grads, strict=True) if g is not None]
+            grads = [g for g in grads if g is not None]
+            if not grads:
+                return {"grad_norm": None, "loss": loss}
+        norms = torch._foreach_norm(grads)
         snapshot: dict[str, Any] = {"grad_norm": torch.linalg.vector_norm(torch.stack(norms)),
                                     "loss": loss}
         if self.per_param_grad_norms:
-            snapshot["param_grad_norms"] = {n: v for (n, _), v in zip(named, norms, strict=True)}
+            snapshot["param_grad_norms"] = dict(zip(names, norms, strict=True))
         return snapshot
 
     def _batch_end_snapshot(self, loss: torch.Tensor | None, size: int, batch: Any,
