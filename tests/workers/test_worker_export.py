@@ -5,6 +5,7 @@ outputs as the weights it was exported from (the trained model, at fit_end)."""
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import pytest
 import torch
@@ -30,6 +31,22 @@ class CheckpointAt(Callback):
     def batch_end(self, state, logger):
         if state.timestamp.batch == self.batch:
             self.ack = self.request_checkpoint("probe")
+
+
+class Slow:
+    """The harness's batches, 4 ms apart (a stand-in for compute): a checkpoint asked for
+    at batch 10 reaches the trainer while it still trains, bursts and all."""
+
+    def __init__(self, seconds: float = 0.004):
+        self.loader, self.seconds = DataLoader(dataset(), batch_size=8, shuffle=True), seconds
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            time.sleep(self.seconds)
+            yield batch
 
 
 def outputs_of(model, x=SAMPLE):
@@ -69,7 +86,8 @@ def test_export_on_checkpoint_uses_the_announced_checkpoint_and_published_sample
     probe = CheckpointAt(batch=10)
     export = ExportForInferenceCallback("torch_export", str(tmp_path / "model.pt2"),
                                         classifier, export_on="checkpoint")
-    trainer, worker = run_with_worker([probe, export], tmp_path, publish_samples=4)
+    trainer, worker = run_with_worker([probe, export], tmp_path, publish_samples=4,
+                                      train_dataloader=Slow())
 
     assert worker.stats.errors == 0
     assert probe.ack is not None and probe.ack.ok, probe.ack
@@ -92,7 +110,7 @@ def test_fit_end_falls_back_to_the_newest_checkpoint_when_none_can_be_had(tmp_pa
     probe = CheckpointAt(batch=16)
     export = ExportForInferenceCallback("torchscript", str(tmp_path / "model.ts"), classifier)
     export.control_timeout = 1.0
-    run_with_worker([probe, export], tmp_path, destinations=[log])
+    run_with_worker([probe, export], tmp_path, destinations=[log], train_dataloader=Slow())
 
     assert [e["checkpoint"] for e in export.exported] == [probe.ack.result["path"]]
     assert any("exporting the newest one" in t for t in log.texts), log.texts
