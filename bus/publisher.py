@@ -123,10 +123,9 @@ class Publisher:
         self._holding = False
         self._hold_interval = 0.0  # release_due() sends only once this long after the last burst
         self._released_at = 0.0
-        # (topic, body, tensor frames, seq, tseq), body and frames as encode_body() made
-        # them; the publishing thread
+        # [topic, seq, tseq, t, ts, data], encoded when sent; the publishing thread
         # appends, whoever releases pops (under _send_lock, which also orders the sends)
-        self._held: deque[tuple] = deque()
+        self._held: deque[list] = deque()
         self._send_lock = threading.Lock()
         self._beat_view: tuple[int, dict[str, int]] | None = None
         self._latest: dict[str, list] = {}  # the latest event of each topic, as held
@@ -286,8 +285,8 @@ class Publisher:
         return True
 
     def hold(self, interval: float = 0.0) -> None:
-        """From now on, publish() encodes each event (and the late-join state has it at
-        once) but sends it only at the next release(), or at the next release_due() once
+        """From now on, publish() keeps each event (the late-join state has it at once)
+        and encodes and sends it only at the next release(), or at the next release_due() once
         `interval` seconds have passed since the last burst left. Call release_due() at
         every step of a loop and release() wherever it may pause. Held events leave in
         order, as a burst; at most 256 wait, whatever the interval."""
