@@ -229,9 +229,9 @@ class Subscriber:
             self._sub.poll(max(0.0, wake - now) * 1000)
 
     def _take(self, frames: list) -> None:
-        head = frames[0]
+        burst = frames[0].startswith(BURST_PREFIX)
         try:
-            if head.startswith(BURST_PREFIX):
+            if burst:
                 msgs = decode_burst(frames, self.limits)
             else:
                 msg = decode_event(frames, self.limits)
@@ -239,7 +239,7 @@ class Subscriber:
             self.stats.malformed += 1  # its events are counted lost by the next heartbeats
             return
         self._last_heard = time.monotonic()
-        if head.startswith(BURST_PREFIX):
+        if burst:
             topics = self.topics  # a burst reaches a topic filter only through b"" by hand
             for msg in msgs:
                 if topics is None or msg.topic in topics:

@@ -403,18 +403,22 @@ def check_size(frames, limits: Limits = DEFAULT_LIMITS) -> None:
         raise WireError(f"message is {total} bytes, the limit is {limits.max_message_bytes}")
 
 
-def decode_event(frames, limits: Limits = DEFAULT_LIMITS) -> Message:
-    """Decode an event or heartbeat from its frames (bytes, memoryviews or zmq Frames)."""
+def _head_and_tensors(frames, limits: Limits) -> tuple[bytes, list | None]:
+    """Frame 0 as bytes and, when tensor frames follow, all frames as buffers; refused
+    by their sizes alone before any byte is decoded."""
     if len(frames) == 1:  # the common case: no tensors, checked without building lists
         head = frames[0] if type(frames[0]) is bytes else bytes(_frame_bytes(frames[0]))
         if len(head) > limits.max_body_bytes:
             raise WireError(f"message body is {len(head)} bytes, the limit is {limits.max_body_bytes}")
-        tensor_frames = None
-    else:
-        frames = [_frame_bytes(f) for f in frames]
-        check_size(frames, limits)
-        head = frames[0] if type(frames[0]) is bytes else bytes(frames[0])
-        tensor_frames = frames
+        return head, None
+    frames = [_frame_bytes(f) for f in frames]
+    check_size(frames, limits)
+    return (frames[0] if type(frames[0]) is bytes else bytes(frames[0])), frames
+
+
+def decode_event(frames, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Decode an event or heartbeat from its frames (bytes, memoryviews or zmq Frames)."""
+    head, tensor_frames = _head_and_tensors(frames, limits)
     cut = head.find(b"\0")
     if cut <= 0:
         raise WireError("frame 0 has no topic prefix (expected b'<topic>\\0' then the body)")
@@ -465,16 +469,7 @@ def _shape(value: Any) -> str:
 def decode_burst(frames, limits: Limits = DEFAULT_LIMITS) -> list[Message]:
     """Decode a burst message into its events, in publishing order. The whole burst is
     refused (one WireError) if any part of it is malformed."""
-    if len(frames) == 1:
-        head = frames[0] if type(frames[0]) is bytes else bytes(_frame_bytes(frames[0]))
-        if len(head) > limits.max_body_bytes:
-            raise WireError(f"message body is {len(head)} bytes, the limit is {limits.max_body_bytes}")
-        tensor_frames = None
-    else:
-        frames = [_frame_bytes(f) for f in frames]
-        check_size(frames, limits)
-        head = frames[0] if type(frames[0]) is bytes else bytes(frames[0])
-        tensor_frames = frames
+    head, tensor_frames = _head_and_tensors(frames, limits)
     if not head.startswith(BURST_PREFIX):
         raise WireError("frame 0 of a burst must start with b'_burst\\0'")
     body = _unpack(head[len(BURST_PREFIX):], limits, tensor_frames)

@@ -65,11 +65,8 @@ class Emitter:
         if self._waiting:
             self._waiting.append((topic, ts, data or {}, None))  # behind staged snapshots
             self.poll()
-            return
-        try:
-            publisher.publish(topic, ts, data)
-        except WireError as exc:
-            self._refuse(topic, exc)
+        else:
+            self._publish(topic, ts, data)
 
     def _publish(self, topic: str, ts: tuple, data: dict | None) -> None:
         try:
