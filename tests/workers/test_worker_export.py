@@ -34,10 +34,10 @@ class CheckpointAt(Callback):
 
 
 class Slow:
-    """The harness's batches, 4 ms apart (a stand-in for compute): a checkpoint asked for
+    """The harness's batches, 10 ms apart (a stand-in for compute): a checkpoint asked for
     at batch 10 reaches the trainer while it still trains, bursts and all."""
 
-    def __init__(self, seconds: float = 0.004):
+    def __init__(self, seconds: float = 0.01):
         self.loader, self.seconds = DataLoader(dataset(), batch_size=8, shuffle=True), seconds
 
     def __len__(self) -> int:
