@@ -42,6 +42,9 @@ class Emitter:
         self._refused = 0  # publish() raised (a reserved topic, or nothing held)
         if publisher is not None:
             publisher.hold(burst_interval)
+            if not self.cuda:  # nothing is ever staged on the CPU: one call less per event
+                self._send = publisher.publish
+                self.emit = self.snapshot = self._emit_now
         self.release_due = publisher.release_due if publisher is not None else _nothing
 
     @property
@@ -67,6 +70,27 @@ class Emitter:
             self.poll()
         else:
             self._publish(topic, ts, data)
+
+    def snapshot(self, topic: str, ts: tuple, data: dict) -> None:
+        """Publish a snapshot the trainer built with `host()`: host numbers on the CPU
+        (published as they are), device tensors on CUDA (staged, as emit_tensors)."""
+        self.emit_tensors(topic, ts, data)
+
+    def host(self, tensor: torch.Tensor) -> Any:
+        """What a snapshot holds for a tensor: on the CPU a number now (a 0-d tensor; no
+        device to wait for) or the tensor detached; on CUDA the tensor, staged later."""
+        if not self.cuda and tensor.ndim == 0:
+            return tensor.item()
+        return tensor.detach()
+
+    def _emit_now(self, topic: str, ts: tuple, data: dict | None = None) -> None:
+        """emit() and snapshot() where nothing is ever staged (the CPU): straight to the
+        publisher, once the topic is known to be wanted."""
+        if topic in self.publisher._wanted:
+            try:
+                self._send(topic, ts, data)
+            except WireError as exc:
+                self._refuse(topic, exc)
 
     def _publish(self, topic: str, ts: tuple, data: dict | None) -> None:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import random
 import resource
@@ -143,6 +144,7 @@ class Trainer:
         self.eval_metrics = _metrics(eval_metrics, self.device)
         bare = getattr(model, "module", model)
         self._flops_fn = getattr(bare, "flops_per_batch", None)  # Composer's optional model hook
+        self._rss: int | None = None  # peak resident memory, as last read
         self.timestamp = Timestamp()
         self.run_id = uuid.uuid4().hex[:12]
         self.run_name = run_name or (Path(run_dir).name if run_dir else
@@ -342,7 +344,7 @@ class Trainer:
 
     def _train_batch(self, batch: Any) -> None:
         """One optimizer step, every event of it in Composer's order."""
-        ts, emit, wants = self.timestamp, self.emitter.emit, self.emitter.wants
+        ts, emit, wants, host = self.timestamp, self.emitter.emit, self.emitter.wants, self.emitter.host
         batch = _to_device(batch, self.device)
         size = _batch_size(batch)
         now = ts.as_tuple()
@@ -359,7 +361,7 @@ class Trainer:
                 emit(E.BEFORE_LOSS, now, {"microbatch": i})
                 loss = self._loss(outputs, micro)
             if wants(E.AFTER_LOSS):  # the microbatch's own loss, as Composer's state.loss here
-                self.emitter.emit_tensors(E.AFTER_LOSS, now, {"microbatch": i, "loss": loss.detach()})
+                self.emitter.snapshot(E.AFTER_LOSS, now, {"microbatch": i, "loss": host(loss)})
             if self.grad_accum > 1:  # weighted by the microbatch's share, for backward and the total
                 loss = loss * (_batch_size(micro) / size)
             emit(E.BEFORE_BACKWARD, now, {"microbatch": i})
@@ -370,8 +372,10 @@ class Trainer:
         if self._scaler is not None:  # Composer unscales before after_train_batch: true norms
             for opt in self.optimizers:
                 self._scaler.unscale_(opt)
+        # the step's loss as snapshots hold it, read once (retained: batch_end is always built)
+        loss_out = host(total_loss) if wants(E.BATCH_END) or wants(E.AFTER_TRAIN_BATCH) else None
         if wants(E.AFTER_TRAIN_BATCH):
-            self.emitter.emit_tensors(E.AFTER_TRAIN_BATCH, now, self._grad_snapshot(total_loss))
+            self.emitter.snapshot(E.AFTER_TRAIN_BATCH, now, self._grad_snapshot(loss_out))
         for opt in self.optimizers:
             if self._scaler is not None:
                 self._scaler.step(opt)  # skipped when a gradient overflowed
@@ -384,7 +388,7 @@ class Trainer:
         ts.next_batch(size, self.num_tokens_fn(batch) if self.num_tokens_fn else 0)
         now = ts.as_tuple()
         if wants(E.BATCH_END):
-            self.emitter.emit_tensors(E.BATCH_END, now, self._batch_end_snapshot(total_loss, size, batch, last))
+            self.emitter.snapshot(E.BATCH_END, now, self._batch_end_snapshot(loss_out, size, batch, last))
         self._poll_control()
         if self._eval_every_batch:
             self._run_evaluators(TimeUnit.BATCH)
@@ -412,7 +416,7 @@ class Trainer:
         dtype = torch.float16 if self.precision == "amp_fp16" else torch.bfloat16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def _grad_snapshot(self, loss: torch.Tensor | None) -> dict[str, Any]:
+    def _grad_snapshot(self, loss: Any) -> dict[str, Any]:
         """Global gradient L2 norm, computed on the device (no sync); per-parameter opt-in."""
         # backward never builds a graph of the gradients here: they need no detach()
         names, grads = self._param_names, [p.grad for p in self._params]
@@ -421,15 +425,22 @@ class Trainer:
             grads = [g for g in grads if g is not None]
             if not grads:
                 return {"grad_norm": None, "loss": loss}
-        norms = torch._foreach_norm(grads)
-        snapshot: dict[str, Any] = {"grad_norm": torch.linalg.vector_norm(torch.stack(norms)),
-                                    "loss": loss}
+        norms = torch._foreach_norm(grads)  # one kernel launch for every parameter
+        if self.device.type == "cpu":
+            # host numbers now (no device to wait for): the per-parameter norms combined
+            # in double precision on the host cost half what two more torch ops would
+            values = [n.item() for n in norms] if len(norms) <= 16 else torch.stack(norms).tolist()
+            snapshot: dict[str, Any] = {"grad_norm": _hypot(values), "loss": loss}
+            if self.per_param_grad_norms:
+                snapshot["param_grad_norms"] = dict(zip(names, values, strict=True))
+            return snapshot
+        snapshot = {"grad_norm": torch.linalg.vector_norm(torch.stack(norms)), "loss": loss}
         if self.per_param_grad_norms:
             snapshot["param_grad_norms"] = dict(zip(names, norms, strict=True))
         return snapshot
 
-    def _batch_end_snapshot(self, loss: torch.Tensor | None, size: int, batch: Any,
-                            last: tuple[Any, Any]) -> dict[str, Any]:
+    def _batch_end_snapshot(self, loss: Any, size: int, batch: Any, last: tuple[Any, Any]) -> dict[str, Any]:
+        """What batch_end callbacks read, built with Emitter.host() (numbers on the CPU)."""
         snapshot: dict[str, Any] = {
             "loss": loss,
             "lr": [group["lr"] for opt in self.optimizers for group in opt.param_groups],
@@ -438,17 +449,20 @@ class Trainer:
         if self.device.type == "cuda":
             snapshot["memory"] = _cuda_memory(self.device)
         else:
-            snapshot["memory"] = {"max_rss_bytes": _max_rss()}
+            if self._rss is None or not self.timestamp.batch % 16:  # a peak: read every 16 steps
+                self._rss = _max_rss()
+            snapshot["memory"] = {"max_rss_bytes": self._rss}
         if self._flops_fn is not None:
-            snapshot["flops"] = self._flops_fn(batch)
+            flops = self._flops_fn(batch)
+            snapshot["flops"] = self.emitter.host(flops) if isinstance(flops, torch.Tensor) else flops
         if self.publish_samples:
             micro, outputs = last
             inputs, targets = _pair(micro) if isinstance(micro, (tuple, list)) else (micro, None)
             n = self.publish_samples
-            snapshot["samples"] = {
-                "inputs": inputs[:n].detach() if isinstance(inputs, torch.Tensor) else None,
-                "targets": targets[:n].detach() if isinstance(targets, torch.Tensor) else None,
-                "outputs": outputs[:n].detach() if isinstance(outputs, torch.Tensor) else None,
+            snapshot["samples"] = {  # tensors: frames on the wire (0-d ones become numbers)
+                "inputs": self.emitter.host(inputs[:n]) if isinstance(inputs, torch.Tensor) else None,
+                "targets": self.emitter.host(targets[:n]) if isinstance(targets, torch.Tensor) else None,
+                "outputs": self.emitter.host(outputs[:n]) if isinstance(outputs, torch.Tensor) else None,
             }
         return snapshot
 
@@ -858,10 +872,11 @@ def _to_device(batch: Any, device: torch.device) -> Any:
 
 def _cuda_memory(device: torch.device) -> dict[str, int]:
     """Allocator counters, read on the host: no device synchronisation."""
+    stats = torch.cuda.memory_stats(device)  # one read (memory_allocated() etc. each make one)
     return {
-        "allocated_bytes": torch.cuda.memory_allocated(device),
-        "reserved_bytes": torch.cuda.memory_reserved(device),
-        "max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+        "allocated_bytes": stats.get("allocated_bytes.all.current", 0),
+        "reserved_bytes": stats.get("reserved_bytes.all.current", 0),
+        "max_allocated_bytes": stats.get("allocated_bytes.all.peak", 0),
     }
 
 
@@ -880,6 +895,12 @@ def _safe_name(text: str) -> str:
 def _max_rss() -> int:
     """Peak resident memory of this process, in bytes (one cheap syscall)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _hypot(values: list[float]) -> float:
+    """sqrt of the sum of squares, as torch.linalg.vector_norm: NaN wins over inf."""
+    norm = math.hypot(*values)
+    return math.nan if math.isinf(norm) and any(math.isnan(v) for v in values) else norm
 
 
 def _scalar(value: Any) -> Any:
