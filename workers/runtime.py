@@ -92,6 +92,10 @@ class Worker:
         # callbacks that keep the raw wire frames of every event (the Recorder)
         self._recorders = [c for c in self.callbacks if getattr(c, "records_messages", False)]
         self._timing_keys = _timing_keys(self.callbacks)
+        # what dispatch() needs of each callback, looked up once: (index, callback, the
+        # topics it handles or None for all, its time counters)
+        self._dispatch = [(index, callback, _wanted(callback), self.stats.seconds[key])
+                          for index, (callback, key) in enumerate(zip(self.callbacks, self._timing_keys))]
 
     def topics(self) -> frozenset[str] | None:
         wanted: set[str] = {"init", "fit_start", "fit_end", "eval_end"}  # low-rate: keep State current
@@ -154,29 +158,27 @@ class Worker:
 
     def dispatch(self, msg) -> Event | str:
         """Fold one message into the State and run every enabled callback on it, in order."""
-        event = self.state._update(msg) or msg.topic
+        state, topic = self.state, msg.topic
+        event = state._update(msg) or topic
         self.stats.events += 1
         if self._sub is not None and self._sub.stats.gaps != self.stats.gaps:
             self._note_gaps()
-        self.state._set(gaps=self.stats.gaps)
+            state._set(gaps=self.stats.gaps)
         for callback in self._recorders:
             callback.record(msg)
-        for index, callback in enumerate(self.callbacks):
-            if index in self.disabled:
+        clock, disabled = time.perf_counter, self.disabled
+        for index, callback, wanted, spent in self._dispatch:
+            if wanted is not None and topic not in wanted or index in disabled:
                 continue
-            wanted = _wanted(callback)
-            if wanted is not None and msg.topic not in wanted:
-                continue
-            start = time.perf_counter()
+            start = clock()
             try:
-                callback.run_event(event, self.state, self.logger)
+                callback.run_event(event, state, self.logger)
             except StopTrainingError as stop:
                 self._stop_training(callback, stop)
             except Exception:
-                self._failed(index, callback, msg.topic)
+                self._failed(index, callback, topic)
             finally:
-                spent = self.stats.seconds[self._timing_keys[index]]
-                spent[msg.topic] = spent.get(msg.topic, 0.0) + time.perf_counter() - start
+                spent[topic] = spent.get(topic, 0.0) + clock() - start
         return event
 
     def _note_gaps(self) -> None:

@@ -61,6 +61,18 @@ class FrozenDict(dict):
     clear = pop = popitem = setdefault = update = _refuse
 
 
+_SCALARS = frozenset({int, float, str, bool, type(None), bytes})
+
+
+def _plain_data(data: dict) -> FrozenDict:
+    """An event's data as `state.data`: most events carry only numbers and strings, frozen
+    as they are; anything else goes through _plain()."""
+    for value in data.values():
+        if type(value) not in _SCALARS:
+            return _plain(data)
+    return FrozenDict(data)
+
+
 def _plain(value: Any) -> Any:
     """Wire values as callbacks want them: 0-d tensors as numbers, others as torch tensors;
     dicts frozen and lists as tuples, so nothing in `state` can be changed in place."""
@@ -91,6 +103,7 @@ class State:
         for name, value in values.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_metrics", {})
+        object.__setattr__(self, "_ts", None)  # the wire counters `timestamp` was built from
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise ReadOnlyStateError(f"cannot set state.{name}: {_READ_ONLY}")
@@ -115,14 +128,15 @@ class State:
                   world_size=config.get("world_size", 1))
 
     def _update(self, msg: Message) -> Event | None:
-        """Fold one message into the view; returns its Event (None for other topics)."""
-        data = _plain(msg.data)
-        try:
-            event = Event(msg.topic)
-        except ValueError:
-            event = None
-        self._set(event=event, timestamp=Timestamp(*msg.ts), rank=msg.rank, wall_time=msg.t,
-                  data=FrozenDict(data))
+        """Fold one message into the view; returns its Event (None for other topics).
+        Called for every event a worker receives: kept to a few dict operations."""
+        data = _plain_data(msg.data)
+        event = _EVENTS.get(msg.topic)
+        values = self.__dict__
+        if msg.ts != values["_ts"]:  # a step's events share one timestamp: built once
+            values["_ts"] = msg.ts
+            values["timestamp"] = Timestamp(*msg.ts)
+        values["event"], values["rank"], values["wall_time"], values["data"] = event, msg.rank, msg.t, data
         if "config" in data and isinstance(data["config"], dict):
             self._apply_config(data["config"])
         handler = _UPDATES.get(msg.topic)
@@ -153,6 +167,8 @@ class State:
         return (f"State(run_name={self.run_name!r}, event={self.event}, timestamp={self.timestamp}, "
                 f"loss={self.loss})")
 
+
+_EVENTS = {event.value: event for event in Event}
 
 _UPDATES = {
     "batch_end": State._batch_end,
