@@ -95,7 +95,8 @@ class Worker:
         # what dispatch() needs of each callback, looked up once: (index, callback, the
         # topics it handles or None for all, its time counters)
         self._dispatch = [(index, callback, _wanted(callback), self.stats.seconds[key])
-                          for index, (callback, key) in enumerate(zip(self.callbacks, self._timing_keys))]
+                          for index, (callback, key)
+                          in enumerate(zip(self.callbacks, self._timing_keys, strict=True))]
 
     def topics(self) -> frozenset[str] | None:
         wanted: set[str] = {"init", "fit_start", "fit_end", "eval_end"}  # low-rate: keep State current
