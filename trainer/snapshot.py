@@ -42,9 +42,11 @@ class Emitter:
         self._refused = 0  # publish() raised (a reserved topic, or nothing held)
         if publisher is not None:
             publisher.hold(burst_interval)
-            if not self.cuda:  # nothing is ever staged on the CPU: one call less per event
-                self._send = publisher.publish
-                self.emit = self.snapshot = self._emit_now
+            if not self.cuda:
+                # Nothing is ever staged on the CPU: emit() is the publisher's own publish(),
+                # which skips a topic nobody wants. Holding, it never raises for the trainer's
+                # topics: a value the wire cannot carry is counted when the burst is encoded.
+                self.emit = self.snapshot = publisher.publish
         self.release_due = publisher.release_due if publisher is not None else _nothing
 
     @property
@@ -82,15 +84,6 @@ class Emitter:
         if not self.cuda and tensor.ndim == 0:
             return tensor.item()
         return tensor.detach()
-
-    def _emit_now(self, topic: str, ts: tuple, data: dict | None = None) -> None:
-        """emit() and snapshot() where nothing is ever staged (the CPU): straight to the
-        publisher, once the topic is known to be wanted."""
-        if topic in self.publisher._wanted:
-            try:
-                self._send(topic, ts, data)
-            except WireError as exc:
-                self._refuse(topic, exc)
 
     def _publish(self, topic: str, ts: tuple, data: dict | None) -> None:
         try:

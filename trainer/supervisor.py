@@ -14,10 +14,12 @@ from __future__ import annotations
 import importlib
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import threading
 import time
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any
 
 from trainer.errors import ConfigError
@@ -29,9 +31,31 @@ log = logging.getLogger("offloop.trainer")
 
 
 def _child(entry: str, callback: Any, run_dir: str, conn, keys: str | None,
-           heartbeat_timeout: float) -> None:
+           heartbeat_timeout: float, nice: int = 0) -> None:
+    if nice:
+        _lower_priority(nice)
     module, func = entry.split(":")
     getattr(importlib.import_module(module), func)(callback, run_dir, conn, keys, heartbeat_timeout)
+
+
+def _lower_priority(nice: int) -> None:
+    """Add `nice` to this process's nice value: to the threads it has already (unpickling
+    the callback imported its modules, which may start thread pools), and, first, to this
+    one, so every thread it starts later (ZeroMQ's among them) inherits it."""
+    try:
+        os.nice(nice)
+        tasks = Path("/proc/self/task")
+        if tasks.is_dir():  # Linux: a nice value belongs to each thread
+            me = threading.get_native_id()
+            for tid in (int(t.name) for t in tasks.iterdir() if t.name.isdigit()):
+                if tid == me:
+                    continue
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+                except ProcessLookupError:
+                    pass  # that thread has ended
+    except OSError as exc:
+        log.warning("offloop: callback worker keeps part of the trainer's CPU priority: %s", exc)
 
 
 def check_picklable(callbacks: list) -> None:
@@ -63,8 +87,11 @@ class CallbackWorkers:
 
     def __init__(self, callbacks: list, run_dir: str, ready_timeout: float = 120.0,
                  keys: str | None = None, max_restarts: int = 3,
-                 heartbeat_timeout: float = 10.0) -> None:
+                 heartbeat_timeout: float = 10.0, nice: int = 10) -> None:
         self.callbacks = list(callbacks)
+        #: added to each worker's nice value: on a CPU it shares with the training loop, the
+        #: loop comes first (a worker catches up in the gaps; its queue is bounded and counted)
+        self.nice = nice
         #: a worker whose trainer sends no heartbeat for this long closes its callbacks and exits
         self.heartbeat_timeout = heartbeat_timeout
         self.keys = keys  # the keys folder, when the run has keys: workers use its "workers" key
@@ -103,7 +130,7 @@ class CallbackWorkers:
     def _spawn(self, callback: Any) -> _Worker:
         parent, child = self._ctx.Pipe()
         process = self._ctx.Process(target=_child, args=(WORKER_ENTRY, callback, self.run_dir, child, self.keys,
-                                          self.heartbeat_timeout),
+                                          self.heartbeat_timeout, self.nice),
                                     name=f"offloop-worker-{type(callback).__name__}", daemon=True)
         process.start()
         child.close()

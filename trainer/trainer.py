@@ -103,6 +103,7 @@ class Trainer:
         burst_interval: float = 0.005,
         checkpoint_on_sigterm: bool = True,
         worker_shutdown_timeout: float = 60.0,
+        worker_nice: int = 10,
     ) -> None:
         self.rank = distributed.rank() if distributed.init_from_env() else 0
         self.world_size = distributed.world_size()
@@ -131,6 +132,8 @@ class Trainer:
         if isinstance(burst_interval, bool) or not isinstance(burst_interval, (int, float)) \
                 or not 0 <= burst_interval <= 60:
             raise ConfigError(f"burst_interval must be seconds between 0 and 60, got {burst_interval!r}")
+        if isinstance(worker_nice, bool) or not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
+            raise ConfigError(f"worker_nice must be an int between 0 and 19, got {worker_nice!r}")
 
         self.model = model.to(self.device)
         if self.world_size > 1 and not isinstance(model, nn.parallel.DistributedDataParallel):
@@ -195,7 +198,8 @@ class Trainer:
         # trainer for dead: it closes its callbacks and exits
         self.workers = CallbackWorkers(callbacks or [], str(self.run_dir),
                                        keys=str(self.keys) if self.keys else None,
-                                       heartbeat_timeout=max(3.0, 10 * heartbeat_interval))
+                                       heartbeat_timeout=max(3.0, 10 * heartbeat_interval),
+                                       nice=worker_nice)
         self.worker_shutdown_timeout = worker_shutdown_timeout
         try:
             if self.rank == 0:

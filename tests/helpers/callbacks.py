@@ -41,3 +41,18 @@ class BatchCounter(Callback):
     def close(self, state, logger) -> None:
         with open(self.path, "w") as out:
             json.dump({"batch_end": self.count}, out)
+
+
+class NiceProbe(Callback):
+    """Writes the CPU priority (nice value) of its worker process's threads on fit_end."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def fit_end(self, state, logger) -> None:
+        import os
+
+        threads = {int(tid): os.getpriority(os.PRIO_PROCESS, int(tid))
+                   for tid in os.listdir("/proc/self/task")}
+        with open(self.path, "w") as out:
+            json.dump({"nice": os.nice(0), "threads": list(threads.values())}, out)

@@ -117,3 +117,9 @@ def test_an_unreadable_checkpoint_ends_the_run_it_had_started(tmp_path):
 def test_bad_burst_interval_is_refused(interval, tmp_path):
     with pytest.raises(ConfigError, match=r"burst_interval must be seconds between 0 and 60, got "):
         make(burst_interval=interval, run_dir=tmp_path)
+
+
+@pytest.mark.parametrize("nice", [-1, 20, 2.5, True, "10"])
+def test_bad_worker_nice_is_refused(nice, tmp_path):
+    with pytest.raises(ConfigError, match=r"worker_nice must be an int between 0 and 19, got "):
+        make(worker_nice=nice, run_dir=tmp_path)

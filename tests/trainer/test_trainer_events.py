@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 
+import pytest
 import torch
 import torchmetrics
 from common import loader, mlp
-from helpers.callbacks import BatchCounter, Crasher, Recorder
+from helpers.callbacks import BatchCounter, Crasher, NiceProbe, Recorder
 
 from trainer import Trainer
 
@@ -81,6 +83,22 @@ def test_a_crashing_callback_never_stops_training_or_its_neighbours(tmp_path):
     trainer.close()
     assert trainer.timestamp.batch == 12
     assert json.loads(counts.read_text()) == {"batch_end": 12}
+
+
+@pytest.mark.parametrize("nice", [None, 3, 0])
+def test_callback_workers_run_at_a_lower_cpu_priority_than_training(nice, tmp_path):
+    """A worker sharing a CPU with the training loop yields to it: every thread of the
+    worker process (ZeroMQ's too) runs `worker_nice` (10 by default) above the trainer."""
+    probe = tmp_path / "nice.json"
+    extra = {} if nice is None else {"worker_nice": nice}
+    trainer = Trainer(mlp(), loader(32, 2), "1ep", loss_fn=torch.nn.functional.cross_entropy,
+                      callbacks=[NiceProbe(str(probe))], run_dir=tmp_path / "run", **extra)
+    trainer.fit()
+    trainer.close()
+    want = min(19, os.nice(0) + (10 if nice is None else nice))
+    seen = json.loads(probe.read_text())
+    assert seen["nice"] == want
+    assert len(seen["threads"]) >= 2 and set(seen["threads"]) == {want}
 
 
 def test_load_eval_and_predict_fire_their_events_in_order(tmp_path):
