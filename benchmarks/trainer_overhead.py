@@ -148,9 +148,9 @@ def trainer_loop(batches: list, warmup: int, callbacks: list, publish: bool) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=2000, help="timed steps per case (a)-(d) and round")
+    parser.add_argument("--steps", type=int, default=1500, help="timed steps per case (a)-(d) and round")
     parser.add_argument("--warmup", type=int, default=200, help="steps discarded first, per case and round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of (a)-(d), run one after another")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of (a)-(d), run one after another")
     parser.add_argument("--heavy-steps", type=int, default=20, help="timed steps for case (e)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -200,6 +200,10 @@ def main() -> None:
         "ratio_inprocess_heavy": round(med["inprocess_heavy"] / med["heavy_workers"], 1),
         "ratio_bus_on_rounds": per_round("bus_on", "plain"),
         "ratio_heavy_rounds": per_round("heavy_workers", "bus_on"),
+        # each round's (a) and (c) ran seconds apart: the median of their ratios is the
+        # figure a slow spell of the machine moves least
+        "ratio_bus_on_round_median": round(statistics.median(per_round("bus_on", "plain")), 3),
+        "ratio_heavy_round_median": round(statistics.median(per_round("heavy_workers", "bus_on")), 3),
         "steps": args.steps, "rounds": args.rounds, "heavy_steps": args.heavy_steps,
         "torch": torch.__version__, "threads": torch.get_num_threads(),
     }))
