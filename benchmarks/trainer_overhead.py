@@ -188,6 +188,7 @@ def main() -> None:
         return [round(statistics.median(n) / statistics.median(d), 3)
                 for n, d in zip(cases[num], cases[den], strict=True)]
 
+    bus_on_rounds, heavy_rounds = per_round("bus_on", "plain"), per_round("heavy_workers", "bus_on")
     print(json.dumps({
         "plain_us": med["plain"],
         "bus_off_us": med["bus_off"],
@@ -198,12 +199,12 @@ def main() -> None:
         "ratio_bus_on": round(med["bus_on"] / med["plain"], 3),
         "ratio_heavy": round(med["heavy_workers"] / med["bus_on"], 3),
         "ratio_inprocess_heavy": round(med["inprocess_heavy"] / med["heavy_workers"], 1),
-        "ratio_bus_on_rounds": per_round("bus_on", "plain"),
-        "ratio_heavy_rounds": per_round("heavy_workers", "bus_on"),
+        "ratio_bus_on_rounds": bus_on_rounds,
+        "ratio_heavy_rounds": heavy_rounds,
         # each round's (a) and (c) ran seconds apart: the median of their ratios is the
         # figure a slow spell of the machine moves least
-        "ratio_bus_on_round_median": round(statistics.median(per_round("bus_on", "plain")), 3),
-        "ratio_heavy_round_median": round(statistics.median(per_round("heavy_workers", "bus_on")), 3),
+        "ratio_bus_on_round_median": round(statistics.median(bus_on_rounds), 3),
+        "ratio_heavy_round_median": round(statistics.median(heavy_rounds), 3),
         "steps": args.steps, "rounds": args.rounds, "heavy_steps": args.heavy_steps,
         "torch": torch.__version__, "threads": torch.get_num_threads(),
     }))

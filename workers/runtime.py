@@ -91,12 +91,11 @@ class Worker:
         self._gaps_by_topic: dict[str, int] = {}
         # callbacks that keep the raw wire frames of every event (the Recorder)
         self._recorders = [c for c in self.callbacks if getattr(c, "records_messages", False)]
-        self._timing_keys = _timing_keys(self.callbacks)
         # what dispatch() needs of each callback, looked up once: (index, callback, the
         # topics it handles or None for all, its time counters)
         self._dispatch = [(index, callback, _wanted(callback), self.stats.seconds[key])
                           for index, (callback, key)
-                          in enumerate(zip(self.callbacks, self._timing_keys, strict=True))]
+                          in enumerate(zip(self.callbacks, _timing_keys(self.callbacks), strict=True))]
 
     def topics(self) -> frozenset[str] | None:
         wanted: set[str] = {"init", "fit_start", "fit_end", "eval_end"}  # low-rate: keep State current

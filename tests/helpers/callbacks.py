@@ -52,7 +52,6 @@ class NiceProbe(Callback):
     def fit_end(self, state, logger) -> None:
         import os
 
-        threads = {int(tid): os.getpriority(os.PRIO_PROCESS, int(tid))
-                   for tid in os.listdir("/proc/self/task")}
+        threads = [os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")]
         with open(self.path, "w") as out:
-            json.dump({"nice": os.nice(0), "threads": list(threads.values())}, out)
+            json.dump({"nice": os.nice(0), "threads": threads}, out)
