@@ -3,7 +3,9 @@
 Each callback object runs in its own process (multiprocessing "spawn"). The trainer
 waits until every worker is listening before it publishes `init`, never waits on a
 worker while training, reports a worker that dies, and at the end gives each one
-until `fit_end` has reached it before it closes the stream.
+until the run's last `fit_end` has reached it before it closes the stream (a Trainer
+may fit() several times: a worker lives through all of them, and a death between or
+during later fits is reported and restarted like one in the first).
 
 The worker runtime is a separate program, found by module name: `trainer` never
 imports `workers` (the design brief keeps them independent).
@@ -75,7 +77,7 @@ class _Worker:
         self.callback, self.process, self.conn = callback, process, conn
         self.name = type(callback).__name__
         self.ready = False
-        self.fit_end_seen = False
+        self.fits_seen = 0  # the number of the last fit whose fit_end it has handled
         self.reported_dead = False
         self.gone = False  # its exit has been handled (reported, restarted, or a clean end)
         self.restarts = 0
@@ -99,6 +101,10 @@ class CallbackWorkers:
         self.restarts = 0
         self._ctx = mp.get_context("spawn")
         self._stopping = False
+        #: fit_end events the trainer has published; a worker's exit is its end (not a
+        #: crash) only once the trainer closes the stream and the worker has handled them all
+        self.fits = 0
+        self.closing = False
         self.run_dir = run_dir
         self.ready_timeout = ready_timeout
         self.workers: list[_Worker] = []
@@ -161,7 +167,7 @@ class CallbackWorkers:
                     worker.process.join()
                     worker.gone = True
                     self._drain(worker)
-                    if not worker.fit_end_seen:
+                    if not (self.closing and worker.fits_seen >= self.fits):
                         self._dead(worker, f"exited with code {worker.process.exitcode}")
                         if worker.ready:
                             self._restart(worker)
@@ -176,7 +182,7 @@ class CallbackWorkers:
             if kind == "ready":
                 worker.ready = True
             elif kind == "fit_end":
-                worker.fit_end_seen = True
+                worker.fits_seen = max(worker.fits_seen, int(payload.get("fit") or 1))
                 worker.report = payload
             elif kind == "error":
                 log.warning("offloop: worker %s: %s", worker.name, payload)
@@ -201,19 +207,20 @@ class CallbackWorkers:
             self._receive(timeout=0.5)
 
     def wait_for_fit_end(self, timeout: float, while_waiting=None) -> None:
-        """Give every live worker until `timeout` to report it has handled fit_end;
-        `while_waiting` runs meanwhile (the trainer answers late control requests)."""
+        """Give every live worker until `timeout` to report it has handled the last
+        fit_end (of `self.fits`); `while_waiting` runs meanwhile (the trainer answers late
+        control requests)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                pending = [w for w in self.workers if w.process.is_alive() and not w.fit_end_seen]
+                pending = [w for w in self.workers if w.process.is_alive() and w.fits_seen < self.fits]
             if not pending:
                 return
             if while_waiting is not None:
                 while_waiting()
             time.sleep(0.02)
         for worker in self.workers:
-            if worker.process.is_alive() and not worker.fit_end_seen:
+            if worker.process.is_alive() and worker.fits_seen < self.fits:
                 log.warning("offloop: callback worker %s had not handled fit_end after %.0fs",
                             worker.name, timeout)
 

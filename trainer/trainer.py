@@ -356,8 +356,9 @@ class Trainer:
         emit(E.BEFORE_TRAIN_BATCH, now, {"batch_size": size, "microbatches": self.grad_accum})
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        total_loss = None
-        for i, micro in enumerate(_split(batch, self.grad_accum)):
+        total_loss = loss_out = None
+        accum = self.grad_accum
+        for i, micro in enumerate(_split(batch, accum)):
             emit(E.BEFORE_FORWARD, now, {"microbatch": i})
             with self._autocast():
                 outputs = self._forward(micro)
@@ -365,19 +366,24 @@ class Trainer:
                 emit(E.BEFORE_LOSS, now, {"microbatch": i})
                 loss = self._loss(outputs, micro)
             if wants(E.AFTER_LOSS):  # the microbatch's own loss, as Composer's state.loss here
-                self.emitter.snapshot(E.AFTER_LOSS, now, {"microbatch": i, "loss": host(loss)})
-            if self.grad_accum > 1:  # weighted by the microbatch's share, for backward and the total
+                loss_out = host(loss)
+                self.emitter.snapshot(E.AFTER_LOSS, now, {"microbatch": i, "loss": loss_out})
+            if accum > 1:  # weighted by the microbatch's share, for backward and the total
                 loss = loss * (_batch_size(micro) / size)
+                total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
+            else:  # the step's loss is this one: read for the snapshots below, if at all
+                total_loss = loss
             emit(E.BEFORE_BACKWARD, now, {"microbatch": i})
             (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
             emit(E.AFTER_BACKWARD, now, {"microbatch": i})
-            total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
         last = (micro, outputs)
         if self._scaler is not None:  # Composer unscales before after_train_batch: true norms
             for opt in self.optimizers:
                 self._scaler.unscale_(opt)
-        # the step's loss as snapshots hold it, read once (retained: batch_end is always built)
-        loss_out = host(total_loss) if wants(E.BATCH_END) or wants(E.AFTER_TRAIN_BATCH) else None
+        # the step's loss as snapshots hold it, read once (retained: batch_end is always
+        # built when publishing); with one microbatch, after_loss has read it already
+        if accum > 1 or loss_out is None:
+            loss_out = host(total_loss) if wants(E.BATCH_END) or wants(E.AFTER_TRAIN_BATCH) else None
         if wants(E.AFTER_TRAIN_BATCH):
             self.emitter.snapshot(E.AFTER_TRAIN_BATCH, now, self._grad_snapshot(loss_out))
         for opt in self.optimizers:
@@ -686,8 +692,10 @@ class Trainer:
         for request in self._pending_halts + self._pending_ckpts:  # arrived with the last batch
             request.refuse("the run finished before this request could be applied", step=ts.batch)
         self._pending_halts, self._pending_ckpts = [], []
+        self.workers.fits += 1  # its workers are stopped only once they have handled this one
         self.emitter.emit(E.FIT_END, ts.as_tuple(), {"stopped_by": self.stopped_by,
-                                                     "checkpoints": self.checkpoints})
+                                                     "checkpoints": self.checkpoints,
+                                                     "fit": self.workers.fits})
         self.emitter.flush()
         self._fit_ended = True
 
@@ -696,6 +704,7 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
+        self.workers.closing = True  # from here a worker that has seen every fit_end may exit
         # with no fit (only eval() or predict()) there is no fit_end to wait for: the
         # workers take the stream's final heartbeats as the end, after every event before them
         if self.workers.workers and wait_for_workers and self._fit_ended:

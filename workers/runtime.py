@@ -138,11 +138,14 @@ class Worker:
                     continue
                 if msg.from_state:
                     self.state._update(msg)
+                    if msg.topic == "fit_end" and on_fit_end is not None:
+                        # joined (restarted) after that fit ended: it will never arrive live
+                        on_fit_end({**self.stats.as_dict(), "fit": msg.data.get("fit")})
                     continue
                 event = self.dispatch(msg)
                 if event is Event.FIT_END:
-                    if on_fit_end is not None:
-                        on_fit_end(self.stats.as_dict())
+                    if on_fit_end is not None:  # which fit of the run ended: a Trainer may fit() again
+                        on_fit_end({**self.stats.as_dict(), "fit": msg.data.get("fit")})
                     if self.exit_on_fit_end:
                         self.exit_message = f"run {self.info.run_name} reached fit_end"
                         break

@@ -55,3 +55,34 @@ class NiceProbe(Callback):
         threads = [os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")]
         with open(self.path, "w") as out:
             json.dump({"nice": os.nice(0), "threads": threads}, out)
+
+
+class ExitOnSecondFit(Callback):
+    """Its process exits outright (status 7) at the second fit_start it sees."""
+
+    def __init__(self) -> None:
+        self.fits = 0
+
+    def fit_start(self, state, logger) -> None:
+        import os
+
+        self.fits += 1
+        if self.fits == 2:
+            os._exit(7)
+
+
+class LossProbe(Callback):
+    """Writes each after_loss and batch_end loss it saw, with the step, on close."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.seen = path, []
+
+    def after_loss(self, state, logger) -> None:
+        self.seen.append(["after_loss", state.timestamp.batch, state.loss])
+
+    def batch_end(self, state, logger) -> None:
+        self.seen.append(["batch_end", state.timestamp.batch, state.loss])
+
+    def close(self, state, logger) -> None:
+        with open(self.path, "w") as out:
+            json.dump(self.seen, out)

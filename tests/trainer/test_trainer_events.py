@@ -9,7 +9,7 @@ import pytest
 import torch
 import torchmetrics
 from common import loader, mlp
-from helpers.callbacks import BatchCounter, Crasher, NiceProbe, Recorder
+from helpers.callbacks import BatchCounter, Crasher, ExitOnSecondFit, LossProbe, NiceProbe, Recorder
 
 from trainer import Trainer
 
@@ -83,6 +83,46 @@ def test_a_crashing_callback_never_stops_training_or_its_neighbours(tmp_path):
     trainer.close()
     assert trainer.timestamp.batch == 12
     assert json.loads(counts.read_text()) == {"batch_end": 12}
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_after_loss_holds_each_microbatch_loss_and_batch_end_the_step_loss(grad_accum, tmp_path):
+    """after_loss: the microbatch's own loss; batch_end: the step's, each microbatch
+    weighted by its share of the batch (one microbatch: the same number, read once)."""
+    probe = tmp_path / "losses.json"
+    trainer = Trainer(mlp(), loader(48, 12), "1ep", loss_fn=torch.nn.functional.cross_entropy,
+                      grad_accum=grad_accum, callbacks=[LossProbe(str(probe))], run_dir=tmp_path / "run")
+    trainer.fit()
+    trainer.close()
+    seen = json.loads(probe.read_text())
+    assert len(seen) == 4 * (grad_accum + 1)
+    for step in range(4):
+        micro = [loss for event, batch, loss in seen if event == "after_loss" and batch == step]
+        [step_loss] = [loss for event, batch, loss in seen if event == "batch_end" and batch == step + 1]
+        assert len(micro) == grad_accum and all(isinstance(x, float) for x in micro + [step_loss])
+        assert step_loss == pytest.approx(sum(micro) / grad_accum, rel=1e-6)
+    assert len({loss for event, _, loss in seen if event == "after_loss"}) == 4 * grad_accum
+
+
+def test_workers_live_through_every_fit_and_a_death_in_a_later_fit_is_reported(tmp_path):
+    """fit() twice: each fit_end carries its number, close() waits for the last one, and a
+    worker dying in the second fit is a crash (reported, restarted), not a clean end."""
+    record = tmp_path / "events.json"
+    trainer = Trainer(mlp(), loader(32, 4), "1ep", loss_fn=torch.nn.functional.cross_entropy,
+                      callbacks=[ExitOnSecondFit(), Recorder(str(record))], run_dir=tmp_path / "run",
+                      worker_shutdown_timeout=5)
+    trainer.fit()
+    assert not trainer.workers.crashes
+    trainer.fit(duration="2ep")
+    trainer.close()
+    assert trainer.timestamp.batch == 16
+    assert len(trainer.workers.crashes) == 1 and "exited with code 7" in trainer.workers.crashes[0]
+    assert trainer.workers.restarts == 1
+    seen = [event for event, _ in json.loads(record.read_text())]
+    assert seen.count("fit_start") == 2 and seen.count("fit_end") == 2 and seen.count("batch_end") == 16
+    assert seen[-1] == "fit_end"
+    recorder = trainer.workers.workers[1]
+    assert recorder.fits_seen == 2 and recorder.report["fit"] == 2
 
 
 @pytest.mark.parametrize("nice", [None, 3, 0])
