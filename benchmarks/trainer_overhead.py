@@ -10,17 +10,23 @@ SGD(lr=0.01) and cross_entropy, the same in-memory batches (fixed seed) in every
   (e) those 4 callbacks called in-process by the hand-written loop  -> inprocess_heavy_us
 
 Per-step time is the median of per-step intervals: every case iterates the batches
-through the same `Stamped` wrapper, which reads perf_counter_ns each time the next
-batch is asked for, so one interval is one whole step as the loop sees it (for the
-Trainer: its events, forward, loss, backward, optimizer step, control poll). The first
-steps of each case are discarded as warm-up; trainer construction, worker start-up
-and close() are outside the timed span. Cases (a)-(d) take turns for several rounds
-(a fresh model, Trainer and workers each time) and each figure pools its rounds, so a
-slow spell of a shared machine does not land on one case only. Prints one JSON object
-per case and, last, a summary object with the ratios c/a (`ratio_bus_on`) and d/c
+through the same `Blocks` loader, which reads perf_counter_ns each time the next batch
+is asked for, so one interval is one whole step as the loop sees it (for the Trainer:
+its events, forward, loss, backward, optimizer step, control poll).
+
+The cases take turns in short blocks (250 steps by default, about 70 ms here): one
+block of (a), one of (b), one of (c), one of (d), again and again. Each Trainer is
+built once, with its workers, and trains each block with `fit(duration=...)` to 250
+more batches; the first steps of every block are discarded as warm-up, and a short
+pause between blocks lets a worker finish the events of the block before. A shared
+machine's slow spells last seconds, so blocks this short see the same machine: the
+ratios come from blocks run tens of milliseconds apart, and the script prints both the
+ratio of the pooled medians and the median of per-block ratios. Trainer construction,
+worker start-up and close() are outside the timed spans. Prints one JSON object per
+case and, last, a summary object with the ratios c/a (`ratio_bus_on`) and d/c
 (`ratio_heavy`); progress goes to stderr.
 
-Run: python benchmarks/trainer_overhead.py [--steps N] [--rounds N] [--heavy-steps N]
+Run: python benchmarks/trainer_overhead.py [--steps N] [--blocks N] [--heavy-steps N]
 """
 
 from __future__ import annotations
@@ -63,28 +69,40 @@ class Heavy(Callback):
         time.sleep(HEAVY_SLEEP)
 
 
-class Stamped:
-    """The batches, with perf_counter_ns read each time the loop asks for the next one."""
+class Blocks:
+    """The batches, endlessly, with perf_counter_ns read each time a loop asks for the next
+    one; each pass (one `iter()`, or one `block()`) keeps its own stamps."""
 
     def __init__(self, batches: list) -> None:
         self.batches = batches
-        self.stamps: list[int] = []
+        self.stamps: list[list[int]] = []
 
-    def __len__(self) -> int:
-        return len(self.batches)
+    def __len__(self) -> int:  # an epoch longer than any run here: fit() never ends one
+        return 1 << 40
 
     def __iter__(self):
-        clock, stamps = time.perf_counter_ns, self.stamps
-        for batch in self.batches:
+        """For the Trainer: it stops at its max_duration without asking for more."""
+        clock, batches, stamps = time.perf_counter_ns, self.batches, []
+        self.stamps.append(stamps)
+        i = 0
+        while True:
             stamps.append(clock())
-            yield batch
+            yield batches[i % len(batches)]
+            i += 1
+
+    def block(self, steps: int):
+        """For the hand-written loop: `steps` batches, then one more stamp at the end."""
+        clock, batches, stamps = time.perf_counter_ns, self.batches, []
+        self.stamps.append(stamps)
+        for i in range(steps):
+            stamps.append(clock())
+            yield batches[i % len(batches)]
         stamps.append(clock())
 
-    def step_us(self, warmup: int) -> list[float]:
-        """Intervals between consecutive fetches after the warm-up steps, in µs: one per
-        batch but the last (the Trainer stops at max_duration without asking for more)."""
-        s = self.stamps
-        return [(s[i + 1] - s[i]) / 1000 for i in range(warmup, len(self.batches) - 1)]
+    def last_block_us(self, warmup: int) -> list[float]:
+        """Intervals between consecutive fetches of the last pass after its warm-up steps, in µs."""
+        s = self.stamps[-1]
+        return [(s[i + 1] - s[i]) / 1000 for i in range(warmup, len(s) - 1)]
 
 
 def make_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -99,96 +117,114 @@ def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=LR)
 
 
-def summarize(case: str, rounds: list[list[float]], **extra) -> dict:
-    """Median and spread of every timed step of a case, pooled over the rounds."""
-    pooled = sorted(x for r in rounds for x in r)
+def summarize(case: str, blocks: list[list[float]], **extra) -> dict:
+    """Median and spread of every timed step of a case, pooled over its blocks."""
+    pooled = sorted(x for b in blocks for x in b)
     n = len(pooled)
     return {"case": case, "steps": n, "median_us": round(statistics.median(pooled), 2),
             "p10_us": round(pooled[n // 10], 2), "p90_us": round(pooled[int(n * 0.9)], 2),
-            "mean_us": round(statistics.fmean(pooled), 2),
-            "round_medians_us": [round(statistics.median(r), 2) for r in rounds], **extra}
+            "mean_us": round(statistics.fmean(pooled), 2), "blocks": len(blocks), **extra}
 
 
-def plain_loop(batches: list, warmup: int, callbacks: list | None = None) -> list[float]:
+class PlainLoop:
     """(a) and (e): the hand-written loop, calling each callback's batch_end in-process."""
-    model, opt = make_model()
-    model.train()
-    loader = Stamped(batches)
-    for x, y in loader:
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        for callback in callbacks or ():
-            callback.batch_end(None, None)
-    return loader.step_us(warmup)
+
+    def __init__(self, batches: list, callbacks: list | None = None) -> None:
+        self.model, self.opt = make_model()
+        self.model.train()
+        self.loader = Blocks(batches)
+        self.callbacks = callbacks or []
+
+    def run(self, steps: int, warmup: int) -> list[float]:
+        model, opt, callbacks = self.model, self.opt, self.callbacks
+        for x, y in self.loader.block(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            for callback in callbacks:
+                callback.batch_end(None, None)
+        return self.loader.last_block_us(warmup)
+
+    def close(self) -> dict:
+        return {}
 
 
-def trainer_loop(batches: list, warmup: int, callbacks: list, publish: bool) -> tuple[list[float], dict]:
-    """(b), (c), (d): the Trainer over the same batches; only fit() is timed."""
-    model, opt = make_model()
-    run_dir = tempfile.mkdtemp(prefix="offloop-bench-")
-    loader = Stamped(batches)
-    try:
-        trainer = Trainer(model, loader, max_duration=f"{len(batches)}ba", loss_fn=F.cross_entropy,
-                          optimizers=opt, run_dir=run_dir, callbacks=callbacks, publish=publish,
-                          eval_dataloader=None, seed=SEED, worker_shutdown_timeout=5)
-        trainer.fit()
-        drops = trainer.publisher.drops if trainer.publisher is not None else 0
-        trainer.close()
-        reports = [w.report for w in trainer.workers.workers]
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    info = {"publisher_drops": drops}
-    if any(reports):  # a worker's own count, sent with its fit_end acknowledgement
-        info["worker_events"] = sum(r.get("events", 0) for r in reports)
-        info["worker_gaps"] = sum(r.get("gaps", 0) for r in reports)
-    return loader.step_us(warmup), info
+class TrainerLoop:
+    """(b), (c), (d): one Trainer, built once; each block is one more fit() of `steps` batches."""
+
+    def __init__(self, batches: list, callbacks: list, publish: bool) -> None:
+        model, opt = make_model()
+        self.run_dir = tempfile.mkdtemp(prefix="offloop-bench-")
+        self.loader = Blocks(batches)
+        self.trainer = Trainer(model, self.loader, max_duration="1ba", loss_fn=F.cross_entropy,
+                               optimizers=opt, run_dir=self.run_dir, callbacks=callbacks,
+                               publish=publish, eval_dataloader=None, seed=SEED, worker_shutdown_timeout=5)
+        self.trained = 0
+
+    def run(self, steps: int, warmup: int) -> list[float]:
+        self.trained += steps
+        self.trainer.fit(duration=f"{self.trained}ba")
+        return self.loader.last_block_us(warmup)
+
+    def close(self) -> dict:
+        trainer = self.trainer
+        try:
+            drops = trainer.publisher.drops if trainer.publisher is not None else 0
+            trainer.close()
+            reports = [w.report for w in trainer.workers.workers]
+        finally:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        info = {"publisher_drops": drops}
+        if any(reports):  # a worker's own count, sent with its last fit_end acknowledgement
+            info["worker_events"] = sum(r.get("events", 0) for r in reports)
+            info["worker_gaps"] = sum(r.get("gaps", 0) for r in reports)
+        return info
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=1500, help="timed steps per case (a)-(d) and round")
-    parser.add_argument("--warmup", type=int, default=200, help="steps discarded first, per case and round")
-    parser.add_argument("--rounds", type=int, default=6, help="rounds of (a)-(d), run one after another")
+    parser.add_argument("--steps", type=int, default=250, help="steps per block of each case (a)-(d)")
+    parser.add_argument("--warmup", type=int, default=20, help="steps discarded first, per block")
+    parser.add_argument("--blocks", type=int, default=40, help="timed blocks per case, taking turns")
     parser.add_argument("--heavy-steps", type=int, default=20, help="timed steps for case (e)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    batches = make_batches(args.warmup + args.steps + 1)
+    batches = make_batches(args.steps + 1)
 
-    # (a)-(d) take turns, round after round, so a slow spell of this shared machine
-    # falls on every case rather than on one; each case's figure pools its rounds.
-    cases = {"plain": [], "bus_off": [], "bus_on": [], "heavy_workers": []}
-    info: dict[str, dict] = {case: {} for case in cases}
-    for r in range(args.rounds):
-        cases["plain"].append(plain_loop(batches, args.warmup))
-        for case, callbacks, publish in (
-            ("bus_off", [], False),
-            ("bus_on", [EveryEvent()], True),
-            ("heavy_workers", [Heavy() for _ in range(HEAVY_WORKERS)], True),
-        ):
-            steps, extra = trainer_loop(batches, args.warmup, callbacks, publish)
-            cases[case].append(steps)
-            for key, value in extra.items():
-                info[case][key] = info[case].get(key, 0) + value
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{case} {statistics.median(rounds[-1]):.1f} us" for case, rounds in cases.items()),
-            file=sys.stderr, flush=True)
+    loops = {
+        "plain": PlainLoop(batches),
+        "bus_off": TrainerLoop(batches, [], publish=False),
+        "bus_on": TrainerLoop(batches, [EveryEvent()], publish=True),
+        "heavy_workers": TrainerLoop(batches, [Heavy() for _ in range(HEAVY_WORKERS)], publish=True),
+    }
+    blocks: dict[str, list[list[float]]] = {case: [] for case in loops}
+    for b in range(args.blocks + 1):  # block 0 of each case warms it up and is not kept
+        for case, loop in loops.items():
+            steps = loop.run(args.steps, args.warmup)
+            if b:
+                blocks[case].append(steps)
+            time.sleep(0.02)  # a worker finishes the block's last burst before the next case runs
+        if b and b % 10 == 0:
+            print(f"block {b}/{args.blocks}: " + ", ".join(
+                f"{case} {statistics.median(kept[-1]):.1f} us" for case, kept in blocks.items()),
+                file=sys.stderr, flush=True)
+    info = {case: loop.close() for case, loop in loops.items()}
     heavy_warmup = 2
-    cases["inprocess_heavy"] = [plain_loop(batches[:heavy_warmup + args.heavy_steps + 1], heavy_warmup,
-                                           [Heavy() for _ in range(HEAVY_WORKERS)])]
+    inprocess = PlainLoop(batches, [Heavy() for _ in range(HEAVY_WORKERS)])
+    blocks["inprocess_heavy"] = [inprocess.run(heavy_warmup + args.heavy_steps, heavy_warmup)]
 
     med = {}
-    for case, rounds in cases.items():
-        line = summarize(case, rounds, **info.get(case, {}))
+    for case, kept in blocks.items():
+        line = summarize(case, kept, **info.get(case, {}))
         med[case] = line["median_us"]
         print(json.dumps(line), flush=True)
 
-    def per_round(num: str, den: str) -> list[float]:
-        return [round(statistics.median(n) / statistics.median(d), 3)
-                for n, d in zip(cases[num], cases[den], strict=True)]
+    def per_block(num: str, den: str) -> list[float]:
+        return sorted(statistics.median(n) / statistics.median(d)
+                      for n, d in zip(blocks[num], blocks[den], strict=True))
 
-    bus_on_rounds, heavy_rounds = per_round("bus_on", "plain"), per_round("heavy_workers", "bus_on")
+    bus_on_blocks, heavy_blocks = per_block("bus_on", "plain"), per_block("heavy_workers", "bus_on")
     print(json.dumps({
         "plain_us": med["plain"],
         "bus_off_us": med["bus_off"],
@@ -199,13 +235,14 @@ def main() -> None:
         "ratio_bus_on": round(med["bus_on"] / med["plain"], 3),
         "ratio_heavy": round(med["heavy_workers"] / med["bus_on"], 3),
         "ratio_inprocess_heavy": round(med["inprocess_heavy"] / med["heavy_workers"], 1),
-        "ratio_bus_on_rounds": bus_on_rounds,
-        "ratio_heavy_rounds": heavy_rounds,
-        # each round's (a) and (c) ran seconds apart: the median of their ratios is the
-        # figure a slow spell of the machine moves least
-        "ratio_bus_on_round_median": round(statistics.median(bus_on_rounds), 3),
-        "ratio_heavy_round_median": round(statistics.median(heavy_rounds), 3),
-        "steps": args.steps, "rounds": args.rounds, "heavy_steps": args.heavy_steps,
+        # each block's (a) and (c) ran milliseconds apart: the median of their ratios is
+        # the figure a slow spell of the machine moves least; p10/p90 show the spread
+        "ratio_bus_off_block_median": round(statistics.median(per_block("bus_off", "plain")), 3),
+        "ratio_bus_on_block_median": round(statistics.median(bus_on_blocks), 3),
+        "ratio_heavy_block_median": round(statistics.median(heavy_blocks), 3),
+        "ratio_bus_on_block_p10_p90": [round(bus_on_blocks[len(bus_on_blocks) // 10], 3),
+                                       round(bus_on_blocks[int(len(bus_on_blocks) * 0.9)], 3)],
+        "steps_per_block": args.steps, "blocks": args.blocks, "heavy_steps": args.heavy_steps,
         "torch": torch.__version__, "threads": torch.get_num_threads(),
     }))
 
