@@ -64,7 +64,9 @@ def test_only_authorised_keys_reach_a_trainer_with_keys(tmp_path, caplog):
     generate_keys(keys, "alice")
     strangers = tmp_path / "other"
     generate_keys(strangers, "mallory")  # a valid key pair the trainer never authorised
-    trainer = Trainer(nn.Linear(4, 2), Batches(400, 0.01), "400ba", loss_fn=nn.functional.cross_entropy,
+    # up to 40 s of training: the authorised halt below ends it (a few seconds in), so a slow
+    # machine's subprocesses and timeouts never outlast the run it is meant to stop
+    trainer = Trainer(nn.Linear(4, 2), Batches(4000, 0.01), "4000ba", loss_fn=nn.functional.cross_entropy,
                       keys=keys, run_dir=tmp_path / "run")
     fit = threading.Thread(target=trainer.fit, daemon=True)
     fit.start()
