@@ -116,6 +116,39 @@ def test_metrics_follow_prometheus_conventions_and_render_the_latest_snapshot(fr
         scrape(url, timeout=1)
 
 
+def test_the_lingered_for_scrape_is_written_whole_before_close_returns(free_port):
+    """close() with linger waits for a scrape of the final values, and ends the wait only
+    once the server has written that response (its body closed): the worker process that
+    exits right after close() can no longer cut the one scrape Prometheus needed."""
+    exporter = PrometheusExporter(port=free_port, linger=10)
+    feed = _Feed(exporter, "lingering")
+    t = time.time() - 5.0
+    feed.event("init", t, (0, 0, 0, 0, 0), config={"run_name": "lingering"})
+    feed.event("batch_end", t + 1, (0, 3, 3, 96, 0), loss=0.5, lr=[0.1], batch_size=32)
+    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics", "QUERY_STRING": "", "wsgi.input": None}
+
+    def render() -> tuple[bytes, object]:
+        body = exporter._app(environ, lambda status, headers: None)
+        return b"".join(body), body
+
+    text, body = render()  # the run is not over: no scrape ends the linger
+    body.close()
+    assert b"offloop_step" in text and not exporter._final_scrape.is_set()
+    feed.event("fit_end", t + 2, (0, 3, 3, 96, 0), stopped_by=None, checkpoints=[])
+    text, body = render()  # the final values, rendered but not yet written out
+    assert b"offloop_step" in text and not exporter._final_scrape.is_set()
+    body.close()  # the server closes a body after its last byte
+    assert exporter._final_scrape.is_set()
+
+    closing = threading.Thread(target=exporter.close, args=(feed.state, feed.logger))
+    started = time.monotonic()
+    closing.start()
+    closing.join(15)
+    assert not closing.is_alive() and time.monotonic() - started < 5  # no second wait
+    with pytest.raises(urllib.error.URLError):  # the server is gone
+        scrape(f"http://127.0.0.1:{free_port}/metrics", timeout=2)
+
+
 def test_every_metric_is_documented():
     docs = (Path(__file__).parent.parent.parent / "docs/prometheus.md").read_text()
     for name, (kind, _) in METRICS.items():

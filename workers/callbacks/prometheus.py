@@ -200,10 +200,10 @@ class PrometheusExporter(Callback):
         """Serve at the first event: this is the worker process."""
         if self._lock is not None:
             return
-        from prometheus_client import start_http_server
         from prometheus_client.registry import CollectorRegistry
 
         self._lock, self._view, self._final_scrape = threading.Lock(), _View(), threading.Event()
+        self._request = threading.local()  # what the scrape in this handler thread rendered
         self._window: deque[tuple[float, int, int, float | None]] = deque(maxlen=self.window_size)
         self._flops_seen: float | None = 0.0
         self._peak_flops = self._device_peak(state)  # a late joiner has the config, not fit_start
@@ -212,7 +212,8 @@ class PrometheusExporter(Callback):
         self._worker = _find_worker()
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(self))
-        self._server, _ = start_http_server(self.port, self.addr, registry=registry)
+        self._app = self._wsgi_app(registry)
+        self._server = _serve(self._app, self.addr, self.port)
         host, port = self._server.server_address[:2]
         print(f"PrometheusExporter: serving http://{host}:{port}/metrics", flush=True)
 
@@ -275,9 +276,65 @@ class PrometheusExporter(Callback):
         with self._lock:
             view = self._view
             families = _families(view, self._worker, time.time())
-            if view.finished:
-                self._final_scrape.set()
+            self._request.final = view.finished
         return families
+
+    def _wsgi_app(self, registry):
+        """prometheus_client's /metrics app; a scrape that rendered the final values ends
+        the linger only once its response is written (the server closes the body after the
+        last byte), so close() cannot cut the one scrape it waited for."""
+        from prometheus_client import make_wsgi_app
+
+        metrics = make_wsgi_app(registry)
+
+        def app(environ, start_response):
+            self._request.final = False
+            body = metrics(environ, start_response)
+            return _Written(body, self._final_scrape.set if self._request.final else None)
+
+        return app
+
+
+class _Written:
+    """A WSGI response body that calls `then` once the server has written all of it:
+    PEP 3333 has the server call close() after the last byte, or on an error."""
+
+    def __init__(self, body, then) -> None:
+        self._body, self._then = body, then
+
+    def __iter__(self):
+        return iter(self._body)
+
+    def __len__(self) -> int:  # lets the server set Content-Length for a one-block body
+        return len(self._body)
+
+    def close(self) -> None:
+        try:
+            if hasattr(self._body, "close"):
+                self._body.close()
+        finally:
+            if self._then is not None:
+                self._then()
+
+
+def _serve(app, addr: str, port: int):
+    """A threading WSGI server for `app` on addr:port, in a daemon thread (what
+    prometheus_client's start_http_server does, with the app given)."""
+    import socket
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format, *args):  # noqa: A002 - the base class's signature
+            pass
+
+    server = make_server(addr, port, app, Server, handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True, name="offloop-metrics").start()
+    return server
 
 
 class _Collector:
