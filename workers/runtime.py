@@ -136,19 +136,17 @@ class Worker:
                         self.exit_message = f"run {self.info.run_name} closed its stream"
                         break
                     continue
-                if msg.from_state:
+                if msg.from_state:  # folded in, not dispatched
                     self.state._update(msg)
-                    if msg.topic == "fit_end" and on_fit_end is not None:
-                        # joined (restarted) after that fit ended: it will never arrive live
-                        on_fit_end({**self.stats.as_dict(), "fit": msg.data.get("fit")})
-                    continue
-                event = self.dispatch(msg)
-                if event is Event.FIT_END:
-                    if on_fit_end is not None:  # which fit of the run ended: a Trainer may fit() again
-                        on_fit_end({**self.stats.as_dict(), "fit": msg.data.get("fit")})
-                    if self.exit_on_fit_end:
-                        self.exit_message = f"run {self.info.run_name} reached fit_end"
-                        break
+                    # a fit_end here ended before this worker (re)joined: it never arrives live
+                    ended = msg.topic == "fit_end"
+                else:
+                    ended = self.dispatch(msg) is Event.FIT_END
+                if ended and on_fit_end is not None:  # which fit of the run: a Trainer may fit() again
+                    on_fit_end({**self.stats.as_dict(), "fit": msg.data.get("fit")})
+                if ended and self.exit_on_fit_end and not msg.from_state:
+                    self.exit_message = f"run {self.info.run_name} reached fit_end"
+                    break
         except PublisherSilent as exc:
             self.exit_message = f"trainer of run {self.info.run_name} fell silent: {exc}"
             code = 3
