@@ -46,6 +46,7 @@ from bus.security import SecurityError, check_exposure, generate_keys, load_serv
 from trainer import distributed
 from trainer.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from trainer.errors import CheckpointError, ConfigError, TrainerError
+from trainer.grads import GradBuffer
 from trainer.snapshot import Emitter
 from trainer.supervisor import CallbackWorkers, check_picklable
 from trainer.timestamp import Timestamp
@@ -95,6 +96,7 @@ class Trainer:
         publish_eval_outputs: bool = False,
         publish_samples: int = 0,
         per_param_grad_norms: bool = False,
+        contiguous_grads: bool = True,
         hparams: Mapping[str, Any] | None = None,
         host: str = "127.0.0.1",
         keys: str | os.PathLike | None = None,
@@ -126,6 +128,11 @@ class Trainer:
         self.loss_fn, self.num_tokens_fn = loss_fn, num_tokens_fn
         self.iteration_length = iteration_length
         self.publish_eval_outputs, self.per_param_grad_norms = publish_eval_outputs, per_param_grad_norms
+        if not isinstance(contiguous_grads, bool):
+            raise ConfigError(f"contiguous_grads must be True or False, got {contiguous_grads!r}")
+        self.contiguous_grads = contiguous_grads
+        self._grads: GradBuffer | None = None  # adopted after each fit's first backward
+        self._adopt_grads = False
         if not isinstance(publish_samples, int) or publish_samples < 0:
             raise ConfigError(f"publish_samples must be an int >= 0, got {publish_samples!r}")
         self.publish_samples = publish_samples
@@ -299,6 +306,7 @@ class Trainer:
         named = list(self.model.named_parameters())
         self._param_names = [name for name, _ in named]
         self._params = [param for _, param in named]
+        self._grads, self._adopt_grads = None, self.contiguous_grads
         while not self._stop and not self.max_duration.reached(ts):
             if ts.epoch_in_iteration == 0 and ts.batch_in_epoch == 0:
                 self.emitter.emit(E.ITERATION_START, ts.as_tuple())
@@ -354,8 +362,12 @@ class Trainer:
         now = ts.as_tuple()
         emit(E.BATCH_START, now, {"batch_size": size})
         emit(E.BEFORE_TRAIN_BATCH, now, {"batch_size": size, "microbatches": self.grad_accum})
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+        grads = self._grads
+        if grads is not None:
+            grads.zero()
+        else:
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
         total_loss = loss_out = None
         accum = self.grad_accum
         for i, micro in enumerate(_split(batch, accum)):
@@ -377,6 +389,12 @@ class Trainer:
             (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
             emit(E.AFTER_BACKWARD, now, {"microbatch": i})
         last = (micro, outputs)
+        if grads is not None:
+            if not grads.settle():  # a .grad was replaced: the buffer no longer holds them
+                self._grads = None
+        elif self._adopt_grads:  # the fit's first step: gradients into one buffer from now on
+            self._adopt_grads = False
+            self._grads = GradBuffer.adopt(self.model, self._params, self.optimizers)
         if self._scaler is not None:  # Composer unscales before after_train_batch: true norms
             for opt in self.optimizers:
                 self._scaler.unscale_(opt)
@@ -428,6 +446,8 @@ class Trainer:
 
     def _grad_snapshot(self, loss: Any) -> dict[str, Any]:
         """Global gradient L2 norm, computed on the device (no sync); per-parameter opt-in."""
+        if self._grads is not None and not self.per_param_grad_norms:
+            return {"grad_norm": self._grads.norm(), "loss": loss}  # one op over the buffer
         # backward never builds a graph of the gradients here: they need no detach()
         names, grads = self._param_names, [p.grad for p in self._params]
         if any(g is None for g in grads):
