@@ -502,11 +502,19 @@ class Trainer:
         """Read control requests once per batch; all ranks agree on what to do."""
         requests = self.control.poll() if self.control is not None else ()
         for request in requests:
-            (self._pending_halts if request.op == "halt" else self._pending_ckpts).append(request)
             self._requests_seen += 1
             self.emitter.emit(CONTROL_REQUEST, self.timestamp.as_tuple(),
                               {"op": request.op, "client": request.client, "args": request.args,
                                "count": self._requests_seen})
+            if request.op == "halt":
+                self._pending_halts.append(request)
+                continue
+            try:  # a bad file name is refused now, alone: it never joins the requests saved together
+                _check_filename(request.args.get("filename"))
+            except CheckpointError as exc:
+                request.refuse(str(exc), step=self.timestamp.batch)
+                continue
+            self._pending_ckpts.append(request)
         halt = bool(self._pending_halts) or self._sigterm
         sigterm_ckpt = int(self._sigterm and self.checkpoint_on_sigterm)
         halt, ckpts = self._agreement.agree(halt, len(self._pending_ckpts) + sigterm_ckpt)
@@ -527,12 +535,13 @@ class Trainer:
             return
         self._ckpts_due = 0
         requests, self._pending_ckpts = self._pending_ckpts, []
-        # due with no request here: a SIGTERM asked for it, on this rank or (torchrun) another
+        # due with no request here: a SIGTERM asked for it, on this rank or (torchrun) another,
+        # or (torchrun, rank > 0) a request rank 0 holds; rank 0's tag and name are used
         tags = [_safe_name(str(r.args.get("tag", ""))) for r in requests] or ["sigterm"]
         tag = "-".join(t for t in tags if t)
         filename = next((str(r.args["filename"]) for r in requests if r.args.get("filename")), None)
         try:
-            path = self.save_checkpoint(tag=tag, filename=filename)
+            path, tag = self._write_checkpoint(tag, filename)
         except CheckpointError as exc:
             for request in requests:
                 request.refuse(str(exc), step=self.timestamp.batch)
@@ -557,15 +566,18 @@ class Trainer:
 
     def save_checkpoint(self, tag: str = "", filename: str | None = None) -> Path:
         """Write a checkpoint now (rank 0 writes; every rank must call it at the same step)."""
+        return self._write_checkpoint(tag, filename)[0]
+
+    def _write_checkpoint(self, tag: str, filename: str | None) -> tuple[Path, str]:
+        """save_checkpoint(), also returning the tag rank 0 gave it (under torchrun the
+        other ranks hold no request and learn the name and tag from rank 0)."""
         ts = self.timestamp
         name = filename or f"ep{ts.epoch}-ba{ts.batch}" + (f"-{tag}" if tag else "") + ".pt"
         # one collective on every rank (never inside `if rank == 0`); rank 0's name wins, and
         # every rank judges it after the gather, so all refuse a bad one alike
-        states = self._agreement.gather((name, rng_state(), self._epoch_rng))
-        name = states[0][0]
-        if _safe_name(name) != name:
-            raise CheckpointError(f"checkpoint filename {name!r} must be a plain file name "
-                                  "(letters, digits, '.', '-', '_')")
+        states = self._agreement.gather((name, tag, rng_state(), self._epoch_rng))
+        name, tag = states[0][0], states[0][1]
+        _check_filename(name)
         path = self.save_folder / name
         if self.rank == 0:
             model = getattr(self.model, "module", self.model)
@@ -576,13 +588,13 @@ class Trainer:
                 "schedulers": [s.state_dict() for s in self.schedulers],
                 "scaler": self._scaler.state_dict() if self._scaler is not None else None,
                 "timestamp": ts.state_dict(),
-                "rng": [rng for _, rng, _ in states],
-                "epoch_rng": [epoch_rng for _, _, epoch_rng in states],
+                "rng": [rng for _, _, rng, _ in states],
+                "epoch_rng": [epoch_rng for *_, epoch_rng in states],
                 "seed": self.seed,
                 "run_name": self.run_name,
             })
             self.checkpoints.append(str(path))
-        return path
+        return path, tag
 
     def _load(self, load_path: str | os.PathLike) -> None:
         state = load_checkpoint(load_path)
@@ -923,6 +935,13 @@ def _safe_name(text: str) -> str:
     """A tag or file name reduced to characters that cannot leave the checkpoint folder."""
     cleaned = "".join(c if c.isalnum() or c in "._-" else "_" for c in text)[:100]
     return cleaned.lstrip(".")
+
+
+def _check_filename(name: Any) -> None:
+    """A checkpoint file name must stay in the save folder: letters, digits, '.', '-', '_'."""
+    if name is not None and (not isinstance(name, str) or not name or _safe_name(name) != name):
+        raise CheckpointError(f"checkpoint filename {name!r} must be a plain file name "
+                              "(letters, digits, '.', '-', '_')")
 
 
 def _max_rss() -> int:

@@ -46,13 +46,13 @@ class GatedDataset(Dataset):
         return self.base[index]
 
 
-def ask(endpoint: str, op: str, args: dict, out: dict) -> threading.Thread:
+def ask(endpoint: str, op: str, args: dict, out: dict, key: str | None = None) -> threading.Thread:
     """Send a control request from another thread (request() waits for its ack); the ack
-    lands in out[op]."""
+    lands in out[key or op]."""
 
     def run():
         with ControlClient(endpoint) as client:
-            out[op] = client.request(op, args, timeout=30)
+            out[key or op] = client.request(op, args, timeout=30)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()

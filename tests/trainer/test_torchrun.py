@@ -231,6 +231,7 @@ def test_two_ranks_publish_and_halt_and_checkpoint_at_one_step(halted):
         assert len(fit_end) == 1 and fit_end[0].ts[1] == STEP
         saved = [msg for msg in events[rank] if msg.topic == "checkpoint_saved"]
         assert [(msg.ts[1], msg.data["step"]) for msg in saved] == [(STEP, STEP)]
+        assert saved[0].data["tag"] == "resume"  # rank 1 holds no request: it has rank 0's tag
     assert any(msg.topic == "control_request" for msg in events[0])
     assert not any(msg.topic == "control_request" for msg in events[1])
 

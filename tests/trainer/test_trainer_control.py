@@ -28,7 +28,8 @@ def gated_run(tmp_path: Path, gate_at: int, requests: list[tuple[str, dict]], **
 
     def line_up():
         assert dataset.reached.wait(30)
-        threads = [ask(trainer.control.endpoint, op, args, acks) for op, args in requests]
+        threads = [ask(trainer.control.endpoint, *request, acks) if len(request) == 2 else
+                   ask(trainer.control.endpoint, *request[:2], acks, key=request[2]) for request in requests]
         deadline = time.monotonic() + 10
         while trainer.control.stats.received < len(requests) and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -82,6 +83,19 @@ def test_unwritable_checkpoint_folder_fails_cleanly_and_training_goes_on(tmp_pat
     assert not acks["checkpoint"].ok and "cannot write" in acks["checkpoint"].error
     assert trainer.timestamp.batch == 24
     assert blocker.read_text().startswith("a file")
+
+
+def test_a_bad_checkpoint_filename_is_refused_alone_and_the_request_beside_it_is_written(tmp_path):
+    trainer, acks, events = gated_run(tmp_path, 20, [("checkpoint", {"filename": "../evil.pt"}, "bad"),
+                                                     ("checkpoint", {"tag": "good"}, "good")])
+    bad, good = acks["bad"], acks["good"]
+    assert not bad.ok and bad.error == ("checkpoint filename '../evil.pt' must be a plain file name "
+                                        "(letters, digits, '.', '-', '_')")
+    assert good.ok and good.result["step"] == 3 and Path(good.result["path"]).name == "ep0-ba3-good.pt"
+    saved = [d for topic, _, d in events if topic == "checkpoint_saved"]
+    assert [(d["tag"], len(d["requested_by"])) for d in saved] == [("good", 1)]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["ep0-ba3-good.pt"]
+    assert not (tmp_path / "evil.pt").exists() and trainer.timestamp.batch == 24
 
 
 def final_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
