@@ -274,6 +274,7 @@ class Trainer:
 
     def fit(self, *, duration: str | Time | None = None) -> None:
         """Train until max_duration (or a halt); fires FIT_START … FIT_END."""
+        self._check_open("fit")
         if duration is not None:
             self.max_duration = _parse_duration("duration", duration)
         if self.max_duration is None:
@@ -685,6 +686,7 @@ class Trainer:
 
     def eval(self, eval_dataloader: Iterable | Mapping[str, Iterable] | None = None) -> dict:
         """Standalone evaluation: EVAL_STANDALONE_START … EVAL_STANDALONE_END."""
+        self._check_open("eval")
         loaders = _eval_loaders(eval_dataloader) if eval_dataloader is not None else self.eval_dataloaders
         if not loaders:
             raise ConfigError("eval() needs an eval_dataloader (here or in Trainer)")
@@ -697,6 +699,7 @@ class Trainer:
 
     def predict(self, dataloader: Iterable, return_outputs: bool = True) -> list:
         """Run the model over `dataloader`: PREDICT_START … PREDICT_END."""
+        self._check_open("predict")
         ts, emit = self.timestamp.as_tuple(), self.emitter.emit
         emit(E.PREDICT_START, ts)
         self.model.eval()
@@ -759,6 +762,14 @@ class Trainer:
                               stopped_by=self.stopped_by, checkpoints=self.checkpoints)
             except Exception as exc:  # never fail a finished run over its run.json
                 log.warning("offloop: could not mark %s finished: %s", self.run_dir, exc)
+
+    def _check_open(self, what: str) -> None:
+        """After close() the stream, the control channel and the workers are gone: a fit,
+        eval or predict then would run unseen by every callback, so it is refused."""
+        if self._closed:
+            raise TrainerError(f"{what}() on a closed Trainer: close() ended its event stream, control "
+                               "channel and callback workers; build a new Trainer (load_path= resumes "
+                               "from a checkpoint)")
 
     def _answer_late(self) -> None:
         """Requests that come after training stopped: a checkpoint is still written (of

@@ -123,3 +123,18 @@ def test_bad_burst_interval_is_refused(interval, tmp_path):
 def test_bad_worker_nice_is_refused(nice, tmp_path):
     with pytest.raises(ConfigError, match=r"worker_nice must be an int between 0 and 19, got "):
         make(worker_nice=nice, run_dir=tmp_path)
+
+
+def test_fit_eval_and_predict_on_a_closed_trainer_are_refused_by_name(tmp_path):
+    trainer = Trainer(mlp(), loader(16, 8), "1ba", loss_fn=torch.nn.functional.cross_entropy,
+                      run_dir=tmp_path / "run")
+    trainer.fit()
+    trainer.close()
+    weights = [p.detach().clone() for p in trainer.model.parameters()]
+    for name, call in (("fit", lambda: trainer.fit(duration="2ba")),
+                       ("eval", lambda: trainer.eval(loader(16, 8))),
+                       ("predict", lambda: trainer.predict([torch.randn(4, 8)]))):
+        with pytest.raises(TrainerError, match=rf"^{name}\(\) on a closed Trainer: close\(\) ended"):
+            call()
+    assert trainer.timestamp.batch == 1  # nothing more trained
+    assert all(torch.equal(a, b) for a, b in zip(weights, trainer.model.parameters(), strict=True))
