@@ -28,9 +28,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-name", default="client", help="which client key pair in --keys")
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0,
                         help="seconds without a heartbeat before the trainer counts as gone")
+    parser.add_argument("--nice", type=_nice, default=10,
+                        help="added to this process's nice value, 0-19 (default 10, as the trainer's own "
+                             "workers): on a machine it shares with training, the training loop runs first")
+
+
+def _nice(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 19:
+        raise argparse.ArgumentTypeError(f"must be an int between 0 and 19, got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.nice:  # first, while this is the only thread: every thread started later inherits it
+        os.nice(args.nice)
     from bus import BusError, find_run
     from bus.security import endpoint_keys
     from workers import Worker

@@ -1,6 +1,7 @@
 """Callbacks that report what a worker process saw, by writing JSON on close."""
 
 import json
+import os
 
 from workers import Callback
 
@@ -15,7 +16,9 @@ class JoinProbe(Callback):
         if self.first is None:
             open(self.path + ".first", "w").close()  # tells a test this worker is handling events
             self.first = {"batch": state.timestamp.batch, "run_name": state.run_name,
-                          "max_duration": str(state.max_duration), "loss": state.loss}
+                          "max_duration": str(state.max_duration), "loss": state.loss,
+                          "nice": sorted({os.getpriority(os.PRIO_PROCESS, int(tid))  # of every thread
+                                          for tid in os.listdir("/proc/self/task")})}
         self.count += 1
 
     def close(self, state, logger):

@@ -188,6 +188,8 @@ def test_worker_process_joins_a_run_under_way_and_exits_at_fit_end(spawn, tmp_pa
     assert seen["first"]["run_name"] == "run" and seen["first"]["max_duration"] == "60ba"
     assert seen["last_batch"] == 60
     assert seen["count"] == 60 - seen["first"]["batch"] + 1  # every batch_end after joining
+    # niced by 10 by default, every thread of it (ZeroMQ's included), as the trainer's own workers
+    assert seen["first"]["nice"] == [min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)]
     assert trainer.line(timeout=30)["done"] == 60
 
 
@@ -215,3 +217,7 @@ def test_worker_cli_refuses_unknown_runs_and_bad_specs(tmp_path):
     proc = _offloop("worker", "x", "Nope(")
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2 and "callback spec 'Nope('" in err
+    for bad in ("20", "-1", "ten"):
+        proc = _offloop("worker", "x", "LRMonitor", "--nice", bad)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 2 and f"argument --nice: must be an int between 0 and 19, got '{bad}'" in err
