@@ -64,8 +64,8 @@ class GradBuffer:
         if not trainable or isinstance(model, nn.parallel.DistributedDataParallel):
             return None
         dtype = trainable[0].dtype
-        if any(p.device.type != "cpu" or p.dtype != dtype or not p.is_contiguous() or p.is_sparse
-               for p in trainable) or not dtype.is_floating_point:
+        if any(p.device.type != "cpu" or p.dtype != dtype or p.layout != torch.strided
+               or not p.is_contiguous() for p in trainable) or not dtype.is_floating_point:
             return None
         for p in trainable:
             g = p.grad

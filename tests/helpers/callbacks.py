@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from helpers.probes import thread_nice_values
+
 from workers import Callback
 
 
@@ -52,9 +54,8 @@ class NiceProbe(Callback):
     def fit_end(self, state, logger) -> None:
         import os
 
-        threads = [os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")]
         with open(self.path, "w") as out:
-            json.dump({"nice": os.nice(0), "threads": threads}, out)
+            json.dump({"nice": os.nice(0), "threads": thread_nice_values()}, out)
 
 
 class ExitOnSecondFit(Callback):

@@ -6,6 +6,11 @@ import os
 from workers import Callback
 
 
+def thread_nice_values() -> list[int]:
+    """The nice value of every thread of this process (Linux keeps one per thread)."""
+    return [os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")]
+
+
 class JoinProbe(Callback):
     """Records what the State knew at the first event it handled, and how many it handled."""
 
@@ -17,8 +22,7 @@ class JoinProbe(Callback):
             open(self.path + ".first", "w").close()  # tells a test this worker is handling events
             self.first = {"batch": state.timestamp.batch, "run_name": state.run_name,
                           "max_duration": str(state.max_duration), "loss": state.loss,
-                          "nice": sorted({os.getpriority(os.PRIO_PROCESS, int(tid))  # of every thread
-                                          for tid in os.listdir("/proc/self/task")})}
+                          "nice": sorted(set(thread_nice_values()))}
         self.count += 1
 
     def close(self, state, logger):
