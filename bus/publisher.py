@@ -107,6 +107,8 @@ class Publisher:
         self.bad_requests = 0
         self.beats = 0
         self.unencodable = 0  # held events left out at release(): a value the wire cannot carry
+        for topic in retained:
+            _check_topic(topic)
         self._retained = frozenset(retained)
         self._wanted: frozenset[str] = self._retained  # topics encoded when published
         self._single: frozenset[str] = frozenset()  # topics sent as messages of their own
@@ -118,17 +120,16 @@ class Publisher:
         self._seen_topics: set[str] = set()
         self._subscriptions: set[bytes] = set()  # SUB prefixes in force; service thread only
         self._tseq: dict[str, int] = {}
-        # hold(): events encoded now, sent at release(); heartbeats then announce only what
-        # has been sent, (seq, tseq) as of the last release, so no held event counts as lost
+        # hold(): publish() only appends (topic, t, ts, data); release() numbers the held
+        # events (seq, tseq), keeps the latest of each topic and sends them, all under
+        # _send_lock, which also orders the sends. The publishing thread appends, whoever
+        # releases pops. A held event has no sequence number yet, so no heartbeat counts it.
         self._holding = False
         self._hold_interval = 0.0  # release_due() sends only once this long after the last burst
         self._released_at = 0.0
-        # [topic, seq, tseq, t, ts, data], encoded when sent; the publishing thread
-        # appends, whoever releases pops (under _send_lock, which also orders the sends)
-        self._held: deque[list] = deque()
+        self._held: deque[tuple] = deque()
         self._send_lock = threading.Lock()
-        self._beat_view: tuple[int, dict[str, int]] | None = None
-        self._latest: dict[str, list] = {}  # the latest event of each topic, as held
+        self._latest: dict[str, list] = {}  # [topic, seq, tseq, t, ts, data] of each topic
         self._encoder = EventEncoder(run_id, self.publisher_id, rank)
         self._state_encoder = EventEncoder(run_id, self.publisher_id, rank)  # service thread's
         self._own_context = context is None
@@ -235,33 +236,44 @@ class Publisher:
         carry is found when the event is encoded: raised here when nothing is held,
         counted in `unencodable` and logged at release(); either way that event's
         sequence numbers are spent, so subscribers count it lost.
+
+        While events are held (the trainer's case) this is the hot path: one membership
+        test, a clock read and an append; numbering and encoding happen at release().
         """
         if topic not in self._wanted and not (self._open_prefixes and self._opens(topic)):
             return False
-        tseq = self._tseq.get(topic)
-        if tseq is None:
-            _check_topic(topic)
-            tseq = 0
-        seq = self.seq = self.seq + 1
-        tseq = self._tseq[topic] = tseq + 1
-        event = [topic, seq, tseq, time.time(), ts, data if data is not None else {}]
-        self._latest[topic] = event
-        if not seq % _DRAIN_EVERY:
-            with self._send_lock:
-                self._drain_own_subscriptions()
         if self._holding:
             held = self._held
-            held.append(event)
+            held.append((topic, time.time(), ts, data))
             if len(held) >= HOLD_AT_MOST:
                 self.release()
             return True
-        sent = True
-        if topic in self._single:
-            sent = self._send(self._encoder.encode_event(event))
-        if self._burst:
-            for frames in self._encoder.bursts([event], self.limits):
-                sent = self._send(frames) and sent
+        with self._send_lock:  # the service thread may be releasing what was held before
+            event = self._number([(topic, time.time(), ts, data)])[0]
+            sent = True
+            if topic in self._single:
+                sent = self._send(self._encoder.encode_event(event))
+            if self._burst:
+                for frames in self._encoder.bursts([event], self.limits):
+                    sent = self._send(frames) and sent
         return sent
+
+    def _number(self, held: list[tuple]) -> list[list]:
+        """Give events their sequence numbers, in publishing order, and keep the latest of
+        each topic for late joiners: [topic, seq, tseq, t, ts, data]. Under _send_lock."""
+        seq, tseq, latest = self.seq, self._tseq, self._latest
+        events = []
+        append = events.append
+        for topic, t, ts, data in held:
+            seq += 1
+            n = tseq[topic] = tseq.get(topic, 0) + 1
+            event = [topic, seq, n, t, ts, data if data is not None else {}]
+            latest[topic] = event
+            append(event)
+        if seq // _DRAIN_EVERY != self.seq // _DRAIN_EVERY:
+            self._drain_own_subscriptions()
+        self.seq = seq
+        return events
 
     def _send(self, frames: list) -> bool:
         try:
@@ -275,9 +287,12 @@ class Publisher:
         return True
 
     def _opens(self, topic: str) -> bool:
-        """A topic outside RUN_TOPICS that an open prefix selects: wanted from now on."""
+        """A topic outside RUN_TOPICS that an open prefix selects: wanted from now on.
+        Raises WireError for a reserved or malformed topic (nothing else checks them:
+        every topic in `_wanted` has been checked once)."""
         if not self._open_prefixes or not topic.startswith(self._open_prefixes):
             return False
+        _check_topic(topic)
         self._seen_topics.add(topic)
         self._wanted = self._wanted | {topic}
         if self._single_prefixes and topic.startswith(self._single_prefixes):
@@ -285,8 +300,9 @@ class Publisher:
         return True
 
     def hold(self, interval: float = 0.0) -> None:
-        """From now on, publish() keeps each event (the late-join state has it at once)
-        and encodes and sends it only at the next release(), or at the next release_due() once
+        """From now on, publish() keeps each event and numbers, encodes and sends it only
+        at the next release() (a late joiner's state request releases first, so its state
+        has it), or at the next release_due() once
         `interval` seconds have passed since the last burst left. Call release_due() at
         every step of a loop and release() wherever it may pause. Held events leave in
         order, as a burst; at most 256 wait, whatever the interval."""
@@ -294,7 +310,6 @@ class Publisher:
             raise ValueError(f"hold interval must be >= 0, got {interval}")
         self._hold_interval = interval
         if not self._holding:
-            self._beat_view = (self.seq, dict(self._tseq))
             self._released_at = time.perf_counter()  # the first interval starts now
             self._holding = True
 
@@ -309,17 +324,17 @@ class Publisher:
         message of its own. A full queue drops and counts, as always; an event the wire
         cannot carry is counted in `unencodable`, logged, and left out. Never raises."""
         with self._send_lock:
-            queue = self._held
-            held = [queue.popleft() for _ in range(len(queue))]
-            if held:
-                self._released_at = time.perf_counter()
-                self._send_events(held)
+            self._release_held()
             if stop_holding:
-                self._holding, self._beat_view = False, None
-            elif held:
-                # what has been sent: the last released event's seq and every topic's tseq
-                # up to it (events published while this release ran are still held)
-                self._beat_view = _sent_view(held, self._beat_view)
+                self._holding = False
+
+    def _release_held(self) -> None:
+        """Number and send everything held now. Under _send_lock."""
+        queue = self._held
+        if queue:
+            held = [queue.popleft() for _ in range(len(queue))]
+            self._released_at = time.perf_counter()
+            self._send_events(self._number(held))
 
     def _send_events(self, events: list[list]) -> None:
         encoder = self._encoder
@@ -402,10 +417,10 @@ class Publisher:
 
     def _beat(self, heartbeat: zmq.Socket, final: bool = False) -> None:
         self.beats += 1
-        view = self._beat_view
-        seq, tseq = view if view is not None else (self.seq, dict(self._tseq))
+        with self._send_lock:  # what has been sent: no release is half-way through
+            seq, tseq = self.seq, dict(self._tseq)
         heartbeat.send(encode_heartbeat(self.run_id, self.publisher_id, self.rank, seq,
-                                        dict(tseq), self.drops, self.heartbeat_interval,
+                                        tseq, self.drops, self.heartbeat_interval,
                                         self.beats, final))
 
     def _final_beats(self, heartbeat: zmq.Socket, linger: float) -> None:
@@ -465,8 +480,10 @@ class Publisher:
                 self._beat(heartbeat)
                 self._track_subscriptions(heartbeat)
                 time.sleep(_SUBSCRIPTION_SETTLE)
-                router.send_multipart([identity, *self._state_frames(topics)],
-                                      copy=False)
+                with self._send_lock:  # what is held leaves first: the state then has it
+                    self._release_held()
+                    frames = self._state_frames(topics)
+                router.send_multipart([identity, *frames], copy=False)
             elif kind == "info_req":
                 router.send_multipart([identity, encode_reply("info", run=self.run_info)])
             else:
@@ -478,8 +495,8 @@ class Publisher:
     def _state_frames(self, topics: list[str] | None) -> list:
         """The late-join state: a header naming each entry's frame count, then the entries.
         Sequence numbers come from the same snapshot as the entries, so none counts an
-        event the state does not hold."""
-        snapshot = sorted(dict(self._latest).values(), key=lambda event: event[1])
+        event the state does not hold. Under _send_lock."""
+        snapshot = sorted(self._latest.values(), key=lambda event: event[1])
         tseq = {event[0]: event[2] for event in snapshot}
         seq = snapshot[-1][1] if snapshot else 0
         if topics is not None:
@@ -502,17 +519,12 @@ class Publisher:
         return out
 
 
-def _sent_view(released: list[list], view: tuple[int, dict[str, int]] | None
-               ) -> tuple[int, dict[str, int]]:
-    """(seq, tseq by topic) as of the last of the released events, from the previous view."""
-    tseq = dict(view[1]) if view is not None else {}
-    for event in released:
-        tseq[event[0]] = event[2]
-    return released[-1][1], tseq
+def _valid_topic(topic: str) -> bool:
+    return isinstance(topic, str) and bool(topic) and "\0" not in topic and not topic.startswith("_")
 
 
 def _check_topic(topic: str) -> None:
-    if not isinstance(topic, str) or not topic or "\0" in topic or topic.startswith("_"):
+    if not _valid_topic(topic):
         raise WireError(f"topic {topic!r} is empty, contains NUL or starts with '_' (reserved)")
 
 
@@ -523,7 +535,9 @@ def _topics_for(subscriptions) -> frozenset[str]:
         if prefix == _HB_PREFIX:
             continue
         if prefix.endswith(b"\0"):
-            wanted.add(prefix[:-1].decode(errors="replace"))
+            topic = prefix[:-1].decode(errors="replace")
+            if _valid_topic(topic):  # publish() checks only topics outside `_wanted`
+                wanted.add(topic)
         else:
             text = prefix.decode(errors="replace")
             wanted.update(t for t in RUN_TOPICS if t.startswith(text))

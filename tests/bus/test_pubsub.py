@@ -235,6 +235,24 @@ def test_held_events_leave_at_release_in_order_and_heartbeats_never_count_them_l
         assert sub.recv(timeout=0.1) is None and sub.stats.gaps == 0 and sub.stats.received == 7
 
 
+def test_a_late_joiner_while_events_are_held_gets_them_in_its_state_and_nothing_twice(publisher):
+    publisher.hold(interval=60.0)  # nothing leaves on its own for a minute
+    for i in range(1, 4):
+        publisher.publish("batch_end", (0, i, i, i, 0), {"i": i})
+    assert publisher.seq == 0  # held events have no sequence numbers yet
+    with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
+                    topics=["batch_end"], settle=0.2) as sub:
+        state = sub.connect(join_timeout=5)  # the state request releases what is held first
+        assert [(m.data["i"], m.tseq) for m in state.entries] == [(3, 3)]
+        publisher.publish("batch_end", (0, 4, 4, 4, 0), {"i": 4})
+        publisher.release()
+        got = [sub.recv(timeout=2) for _ in range(2)]
+        assert [(m.data["i"], m.from_state) for m in got] == [(3, True), (4, False)]
+        time.sleep(0.5)  # heartbeats: the three released before the join are not lost to it
+        assert sub.recv(timeout=0.1) is None and sub.stats.gaps == 0
+    publisher.release(stop_holding=True)
+
+
 def test_held_events_of_a_stalled_loop_leave_on_their_own_and_bursts_reach_subscribers_of_everything(
         publisher):
     with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"], settle=0.2) as every, \
