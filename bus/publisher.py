@@ -494,11 +494,10 @@ class Publisher:
 
     def _state_frames(self, topics: list[str] | None) -> list:
         """The late-join state: a header naming each entry's frame count, then the entries.
-        Sequence numbers come from the same snapshot as the entries, so none counts an
-        event the state does not hold. Under _send_lock."""
+        Under _send_lock, where every numbered event is also the latest of its topic: the
+        counters are those of the entries, so none counts an event the state does not hold."""
         snapshot = sorted(self._latest.values(), key=lambda event: event[1])
-        tseq = {event[0]: event[2] for event in snapshot}
-        seq = snapshot[-1][1] if snapshot else 0
+        seq, tseq = self.seq, dict(self._tseq)
         if topics is not None:
             wanted = set(topics)
             snapshot = [event for event in snapshot if event[0] in wanted]
