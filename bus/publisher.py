@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 import zmq
@@ -120,14 +120,18 @@ class Publisher:
         self._seen_topics: set[str] = set()
         self._subscriptions: set[bytes] = set()  # SUB prefixes in force; service thread only
         self._tseq: dict[str, int] = {}
-        # hold(): publish() only appends (topic, t, ts, data); release() numbers the held
-        # events (seq, tseq), keeps the latest of each topic and sends them, all under
-        # _send_lock, which also orders the sends. The publishing thread appends, whoever
-        # releases pops. A held event has no sequence number yet, so no heartbeat counts it.
+        # hold(): publish() only appends (topic, t, data, ts), or (topic, t, data) when ts
+        # is the very object the entry before it had: a burst's own layout. release()
+        # numbers the held events (seq, tseq), keeps the latest of each topic and sends
+        # them, all under _send_lock, which also orders the sends. The publishing thread
+        # appends, whoever releases pops. A held event has no sequence number yet, so no
+        # heartbeat counts it.
         self._holding = False
         self._hold_interval = 0.0  # release_due() sends only once this long after the last burst
         self._released_at = 0.0
         self._held: deque[tuple] = deque()
+        self._held_ts: Any = _NO_TS  # the ts of the last entry appended (publishing thread only)
+        self._released_ts: Any = None  # the ts of the last entry released (under _send_lock)
         self._send_lock = threading.Lock()
         self._latest: dict[str, list] = {}  # [topic, seq, tseq, t, ts, data] of each topic
         self._encoder = EventEncoder(run_id, self.publisher_id, rank)
@@ -239,17 +243,24 @@ class Publisher:
 
         While events are held (the trainer's case) this is the hot path: one membership
         test, a clock read and an append; numbering and encoding happen at release().
+        Held events are published from one thread at a time (the loop's).
         """
         if topic not in self._wanted and not (self._open_prefixes and self._opens(topic)):
             return False
         if self._holding:
             held = self._held
-            held.append((topic, time.time(), ts, data))
+            if ts is self._held_ts:  # the step's events share one ts: it is packed once
+                held.append((topic, time.time(), data))
+            else:
+                self._held_ts = ts
+                held.append((topic, time.time(), data, ts))
             if len(held) >= HOLD_AT_MOST:
                 self.release()
             return True
         with self._send_lock:  # the service thread may be releasing what was held before
-            event = self._number([(topic, time.time(), ts, data)])[0]
+            seq = self._advance(1)
+            n = self._tseq[topic] = self._tseq.get(topic, 0) + 1
+            event = self._latest[topic] = [topic, seq, n, time.time(), ts, data if data is not None else {}]
             sent = True
             if topic in self._single:
                 sent = self._send(self._encoder.encode_event(event))
@@ -258,22 +269,36 @@ class Publisher:
                     sent = self._send(frames) and sent
         return sent
 
-    def _number(self, held: list[tuple]) -> list[list]:
-        """Give events their sequence numbers, in publishing order, and keep the latest of
-        each topic for late joiners: [topic, seq, tseq, t, ts, data]. Under _send_lock."""
-        seq, tseq, latest = self.seq, self._tseq, self._latest
-        events = []
-        append = events.append
-        for topic, t, ts, data in held:
-            seq += 1
-            n = tseq[topic] = tseq.get(topic, 0) + 1
-            event = [topic, seq, n, t, ts, data if data is not None else {}]
-            latest[topic] = event
-            append(event)
-        if seq // _DRAIN_EVERY != self.seq // _DRAIN_EVERY:
+    def _advance(self, n: int) -> int:
+        """Spend `n` sequence numbers; the first of them. Under _send_lock."""
+        first = self.seq + 1
+        self.seq += n
+        if self.seq // _DRAIN_EVERY != (first - 1) // _DRAIN_EVERY:
             self._drain_own_subscriptions()
-        self.seq = seq
-        return events
+        return first
+
+    def _number(self, held: list) -> tuple[int, dict[str, int]]:
+        """Number held entries in publishing order: (the first one's seq, each topic's
+        first tseq), and keep the latest of each topic for late joiners as a whole event
+        [topic, seq, tseq, t, ts, data]. Per topic rather than per event: the entries go
+        out as they are. Under _send_lock."""
+        if len(held[0]) == 3:  # its ts is the last one released (the entry before it)
+            held[0] = (*held[0], self._released_ts)
+        n_held = len(held)
+        seq = self._advance(n_held)
+        topics = [entry[0] for entry in held]
+        tseq, first = self._tseq, {}
+        for topic, count in Counter(topics).items():
+            n = tseq.get(topic, 0)
+            first[topic] = n + 1
+            tseq[topic] = n + count
+        latest = self._latest
+        for topic, i in dict(zip(topics, range(n_held), strict=True)).items():
+            _, t, data, *has_ts = held[i]
+            latest[topic] = [topic, seq + i, tseq[topic], t, has_ts[0] if has_ts else _ts_before(held, i),
+                             data if data is not None else {}]
+        self._released_ts = _ts_before(held, n_held - 1)
+        return seq, first
 
     def _send(self, frames: list) -> bool:
         try:
@@ -305,7 +330,9 @@ class Publisher:
         has it), or at the next release_due() once
         `interval` seconds have passed since the last burst left. Call release_due() at
         every step of a loop and release() wherever it may pause. Held events leave in
-        order, as a burst; at most 256 wait, whatever the interval."""
+        order, as a burst; at most 256 wait, whatever the interval. While holding, publish
+        from one thread (the loop's): an event whose ts is the object its predecessor's
+        was is kept without it, and two threads could interleave between the two."""
         if interval < 0:
             raise ValueError(f"hold interval must be >= 0, got {interval}")
         self._hold_interval = interval
@@ -334,21 +361,23 @@ class Publisher:
         if queue:
             held = [queue.popleft() for _ in range(len(queue))]
             self._released_at = time.perf_counter()
-            self._send_events(self._number(held))
+            seq, first = self._number(held)
+            self._send_held(held, seq, first)
 
-    def _send_events(self, events: list[list]) -> None:
+    def _send_held(self, held: list, seq: int, first: dict[str, int]) -> None:
         encoder = self._encoder
+        events = None  # the whole events, made only where they are needed
         if self._burst:
             try:
-                bursts = encoder.bursts(events, self.limits)
+                bursts = encoder.burst(seq, first, held, self.limits)
             except Exception:  # one event the wire cannot carry: leave it out, send the rest
-                events = self._encodable(events)
+                events = self._encodable(_whole_events(held, seq, first))
                 bursts = encoder.bursts(events, self.limits) if events else []
             for frames in bursts:
                 self._send(frames)
         single = self._single
         if single:
-            for event in events:
+            for event in events if events is not None else _whole_events(held, seq, first):
                 if event[0] in single:
                     try:
                         frames = encoder.encode_event(event)
@@ -516,6 +545,28 @@ class Publisher:
         for frames in entries:
             out.extend(frames)
         return out
+
+
+_NO_TS = object()  # no held entry has this ts: the first one appended always carries its own
+
+
+def _ts_before(held: list, i: int) -> Any:
+    """The ts of held entry `i`: its own, or that of the nearest entry before it."""
+    while len(held[i]) == 3:
+        i -= 1
+    return held[i][3]
+
+
+def _whole_events(held: list, seq: int, first: dict[str, int]) -> list[list]:
+    """Numbered held entries as whole events [topic, seq, tseq, t, ts, data]."""
+    nxt, events, ts = dict(first), [], None
+    for i, (topic, t, data, *has_ts) in enumerate(held):
+        if has_ts:
+            ts = has_ts[0]
+        n = nxt[topic]
+        nxt[topic] = n + 1
+        events.append([topic, seq + i, n, t, ts, data if data is not None else {}])
+    return events
 
 
 def _valid_topic(topic: str) -> bool:

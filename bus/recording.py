@@ -3,7 +3,7 @@
 Each record is one msgpack map, appended and flushed as it happens, so a recording
 cut short (the worker killed) is still readable up to its last whole record::
 
-    {v: 1, k: "recording", run, run_name, config, started}   first, once
+    {v: 2, k: "recording", run, run_name, config, started}   first, once
     {k: "ev", f: [frame, ...]}     an event exactly as it came off the wire
     {k: "gap", topic, n, t}        n events of `topic` were lost here
     {k: "end", events, gaps}       written on a clean close
@@ -23,7 +23,7 @@ from bus.wire import DEFAULT_LIMITS, Limits, Message, decode_event
 
 __all__ = ["RecordingWriter", "read_recording", "RecordingHeader"]
 
-VERSION = 1
+VERSION = 2  # the wire's: events are stored as they came off it
 
 
 class RecordingWriter:

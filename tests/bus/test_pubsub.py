@@ -283,6 +283,36 @@ def test_held_events_of_a_stalled_loop_leave_on_their_own_and_bursts_reach_subsc
         publisher.release(stop_holding=True)
 
 
+def test_held_events_sharing_a_ts_keep_it_across_releases_for_bursts_topics_and_late_joiners(publisher):
+    a, b = (0, 1, 1, 32, 0), (0, 2, 2, 64, 0)  # a step's events share one ts object
+    with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"], settle=0.2) as every, \
+            Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
+                       topics=["after_loss"], settle=0.2) as one:
+        every.connect()
+        one.connect()
+        wait_until(lambda: publisher._burst and "after_loss" in publisher._single)
+        publisher.hold(interval=60.0)
+        publisher.publish("batch_start", a, {"i": 1})
+        publisher.publish("after_loss", a, {"i": 2})
+        publisher.release()  # the next event shares its ts with one already sent
+        publisher.publish("after_loss", a, {"i": 3})
+        publisher.publish("batch_end", b)
+        publisher.publish("batch_checkpoint", b)
+        publisher.release()
+        got = [every.recv(timeout=2) for _ in range(5)]
+        assert [(m.topic, m.seq, m.tseq, m.ts, m.data) for m in got] == [
+            ("batch_start", 1, 1, a, {"i": 1}), ("after_loss", 2, 1, a, {"i": 2}),
+            ("after_loss", 3, 2, a, {"i": 3}), ("batch_end", 4, 1, b, {}), ("batch_checkpoint", 5, 1, b, {})]
+        mine = [one.recv(timeout=2) for _ in range(2)]
+        assert [(m.seq, m.tseq, m.ts, m.data) for m in mine] == [(2, 1, a, {"i": 2}), (3, 2, a, {"i": 3})]
+    with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"], settle=0.2) as late:
+        state = late.connect(join_timeout=5)  # each topic's latest, with the ts it was held without
+        assert {m.topic: (m.seq, m.tseq, m.ts) for m in state.entries} == {
+            "batch_start": (1, 1, a), "after_loss": (3, 2, a), "batch_end": (4, 1, b),
+            "batch_checkpoint": (5, 1, b)}
+    publisher.release(stop_holding=True)
+
+
 def test_reserved_topics_are_refused_and_unencodable_held_events_are_counted_not_raised(publisher):
     publisher._open_prefixes = ("",)  # as with a subscriber of everything
     for topic in ("_hb", "_burst", "_mine", "a\0b"):
@@ -291,13 +321,14 @@ def test_reserved_topics_are_refused_and_unencodable_held_events_are_counted_not
     with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"], settle=0.1) as sub:
         sub.connect()
         publisher.hold(interval=5.0)
+        ts = (0, 2, 2, 2, 0)  # the event after the bad one shares its ts: held without it
         publisher.publish("batch_end", (0, 1, 1, 1, 0), {"i": 1})
-        publisher.publish("batch_end", (0, 2, 2, 2, 0), {"odd": object()})
-        publisher.publish("batch_end", (0, 3, 3, 3, 0), {"i": 3})
+        publisher.publish("batch_end", ts, {"odd": object()})
+        publisher.publish("batch_end", ts, {"i": 3})
         publisher.release()  # does not raise
         assert publisher.unencodable == 1
         got = [sub.recv(timeout=2) for _ in range(2)]
-        assert [m.data["i"] for m in got] == [1, 3]
+        assert [(m.data["i"], m.seq, m.tseq, m.ts) for m in got] == [(1, 1, 1, (0, 1, 1, 1, 0)), (3, 3, 3, ts)]
         deadline = time.monotonic() + 3
         while sub.stats.gaps == 0 and time.monotonic() < deadline:
             sub.recv(timeout=0.05)

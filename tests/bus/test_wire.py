@@ -8,6 +8,7 @@ import torch
 
 from bus.wire import (
     HEARTBEAT_TOPIC,
+    VERSION,
     EventEncoder,
     Limits,
     WireError,
@@ -134,7 +135,7 @@ FIELDS = ("v", "k", "run", "pub", "rank", "seq", "tseq", "t", "ts", "d")
 
 
 def _body(**override):
-    body = {"v": 1, "k": "ev", "run": "r", "pub": "p", "rank": 0, "seq": 1, "tseq": 1,
+    body = {"v": VERSION, "k": "ev", "run": "r", "pub": "p", "rank": 0, "seq": 1, "tseq": 1,
             "t": 1.0, "ts": [0, 0, 0, 0, 0], "d": {}}
     body.update(override)
     return b"batch_end\0" + msgpack.packb([body[f] for f in FIELDS])
@@ -146,22 +147,22 @@ BAD_EVENTS = {
     "not msgpack": [b"batch_end\0\xc1\xc1\xc1"],
     "truncated": [_body()[:-5]],
     "trailing bytes": [_body() + b"\x00"],
-    "not an array": [b"batch_end\0" + msgpack.packb({"v": 1})],
+    "not an array": [b"batch_end\0" + msgpack.packb({"v": VERSION})],
     "short array": [b"batch_end\0" + msgpack.packb([1, 2])],
     "int time": [_body(t=1)],
-    "wrong version": [_body(v=2)],
+    "wrong version": [_body(v=1)],  # what a publisher of an older build sends
     "no version": [b"batch_end\0" + msgpack.packb({"k": "ev"})],
     "bad field type": [_body(seq="7")],
     "bool as int": [_body(rank=True)],
     "bad ts": [_body(ts=[1, 2])],
-    "unknown ext": [b"batch_end\0" + msgpack.packb({"v": 1, "x": msgpack.ExtType(9, b"")})],
+    "unknown ext": [b"batch_end\0" + msgpack.packb({"v": VERSION, "x": msgpack.ExtType(9, b"")})],
     "tensor without frame": [b"batch_end\0" + msgpack.packb(
-        {"v": 1, "d": msgpack.ExtType(1, msgpack.packb([1, "float32", [2]]))})],
+        {"v": VERSION, "d": msgpack.ExtType(1, msgpack.packb([1, "float32", [2]]))})],
     "tensor size mismatch": [
         _body(d={"t": msgpack.ExtType(1, msgpack.packb([1, "float32", [3]]))}), b"\0" * 8],
     "tensor bad dtype": [
         _body(d={"t": msgpack.ExtType(1, msgpack.packb([1, "object", [1]]))}), b"\0" * 8],
-    "bad utf8 topic": [b"\xff\xfe\0" + msgpack.packb({"v": 1})],
+    "bad utf8 topic": [b"\xff\xfe\0" + msgpack.packb({"v": VERSION})],
 }
 
 
@@ -229,7 +230,8 @@ def test_a_burst_round_trips_its_events_in_order_with_their_tensors():
 
 def test_a_burst_past_the_size_limits_is_split_and_loses_nothing():
     enc = EventEncoder("run-1", "pub-1", 0)
-    events = [["batch_end", i, i, 1.0, (0, i, i, i, 0), {"pad": b"x" * 1000, "t": torch.arange(4)}]
+    ts = (0, 1, 1, 1, 0)  # one ts for all: every part but the first must carry it again
+    events = [[("batch_end", "eval_end")[i % 2], i, (i + 1) // 2, 1.0, ts, {"pad": b"x" * 1000, "t": torch.arange(4)}]
               for i in range(1, 41)]
     limits = Limits(max_body_bytes=8 << 10, max_frames=8)
     bursts = enc.bursts(events, limits)
@@ -237,8 +239,21 @@ def test_a_burst_past_the_size_limits_is_split_and_loses_nothing():
     for frames in bursts:
         assert len(frames[0]) <= limits.max_body_bytes and len(frames) - 1 <= limits.max_frames
     got = [m for frames in bursts for m in decode_burst(frames, limits)]
-    assert [m.seq for m in got] == list(range(1, 41))
+    assert [(m.topic, m.seq, m.tseq, m.ts) for m in got] == [(e[0], e[1], e[2], ts) for e in events]
     assert all(m.data["t"].to_torch().tolist() == [0, 1, 2, 3] for m in got)
+
+
+def test_a_burst_carries_ts_once_where_events_share_it_and_numbers_its_events():
+    enc = EventEncoder("run-1", "pub-1", 0)
+    a, b = (0, 1, 1, 8, 0), (0, 2, 2, 16, 0)
+    events = [["batch_start", 11, 5, 1.0, a, {}], ["after_loss", 12, 5, 1.1, a, {"loss": 0.5}],
+              ["batch_end", 13, 5, 1.2, b, {}], ["batch_start", 14, 6, 1.3, b, {}]]
+    (frames,) = enc.bursts(events)
+    body = msgpack.unpackb(frames[0][len(b"_burst\0"):])
+    assert body[5:7] == [11, {"batch_start": 5, "after_loss": 5, "batch_end": 5}]
+    assert [len(entry) for entry in body[7]] == [4, 3, 4, 3]  # ts where it changes, and first
+    assert [(m.topic, m.seq, m.tseq, m.t, m.ts, m.data) for m in decode_burst(frames)] == [
+        (e[0], e[1], e[2], e[3], e[4], e[5]) for e in events]
 
 
 def test_unencodable_events_are_found_one_by_one():
@@ -250,31 +265,46 @@ def test_unencodable_events_are_found_one_by_one():
     good, bad = enc.split_unencodable(events)
     assert [e[1] for e in good] == [1, 3] and [e[1] for e, _ in bad] == [2]
     assert "not pickled" in bad[0][1]
-    assert [m.seq for m in decode_burst(enc.bursts(good)[0])] == [1, 3]
+    bursts = enc.bursts(good)  # seq 2 is missing: a burst numbers consecutive events only
+    assert len(bursts) == 2 and [m.seq for frames in bursts for m in decode_burst(frames)] == [1, 3]
 
 
 def _burst(body, *frames):
     return [b"_burst\0" + msgpack.packb(body), *frames]
 
 
-GOOD_EVENT = ["batch_end", 1, 1, 1.0, [0, 1, 1, 8, 0], {}]
+def _bu(events, seq=1, tseq=None, *, v=VERSION, kind="bu"):
+    """A burst body: events as they go on the wire, [topic, t, d(, ts)]."""
+    return [v, kind, "r", "p", 0, seq, {"batch_end": 1} if tseq is None else tseq, events]
+
+
+TS = [0, 1, 1, 8, 0]
+GOOD_EVENT = ["batch_end", 1.0, {}, TS]
+TENSOR = {"t": msgpack.ExtType(1, msgpack.packb([1, "int64", [2]]))}
 BAD_BURSTS = {
     "not a burst": [b"batch_end\0" + msgpack.packb([1])],
-    "not an array": _burst({"v": 1}),
-    "wrong version": _burst([2, "bu", "r", "p", 0, [GOOD_EVENT]]),
-    "wrong kind": _burst([1, "ev", "r", "p", 0, [GOOD_EVENT]]),
-    "events not a list": _burst([1, "bu", "r", "p", 0, {"a": 1}]),
-    "event too short": _burst([1, "bu", "r", "p", 0, [GOOD_EVENT[:5]]]),
-    "topic not a string": _burst([1, "bu", "r", "p", 0, [[7, *GOOD_EVENT[1:]]]]),
-    "reserved topic": _burst([1, "bu", "r", "p", 0, [["_hb", *GOOD_EVENT[1:]]]]),
-    "seq not an int": _burst([1, "bu", "r", "p", 0, [["batch_end", "1", *GOOD_EVENT[2:]]]]),
-    "ts too short": _burst([1, "bu", "r", "p", 0, [[*GOOD_EVENT[:4], [0, 1], {}]]]),
-    "tensor frame missing": _burst([1, "bu", "r", "p", 0, [[*GOOD_EVENT[:5], {
-        "t": msgpack.ExtType(1, msgpack.packb([1, "int64", [2]]))}]]]),
-    "tensor frame unused": _burst([1, "bu", "r", "p", 0, [GOOD_EVENT]], b"\0" * 8),
-    "tensor frame too short": _burst([1, "bu", "r", "p", 0, [[*GOOD_EVENT[:5], {
-        "t": msgpack.ExtType(1, msgpack.packb([1, "int64", [2]]))}]]], b"\0" * 8),
-    "truncated": [_burst([1, "bu", "r", "p", 0, [GOOD_EVENT]])[0][:-4]],
+    "not an array": _burst({"v": VERSION}),
+    "short header": _burst(_bu([GOOD_EVENT])[:7]),
+    "wrong version": _burst(_bu([GOOD_EVENT], v=1)),  # what a publisher of an older build sends
+    "wrong kind": _burst(_bu([GOOD_EVENT], kind="ev")),
+    "seq not an int": _burst(_bu([GOOD_EVENT], seq="1")),
+    "tseq not a map": _burst(_bu([GOOD_EVENT], tseq=[1])),
+    "tseq not an int": _burst(_bu([GOOD_EVENT], tseq={"batch_end": 1.0})),
+    "reserved topic in tseq": _burst(_bu([["_hb", 1.0, {}, TS]], tseq={"_hb": 1})),
+    "topic not in tseq": _burst(_bu([["eval_end", 1.0, {}, TS]])),
+    "events not a list": _burst(_bu({"a": 1})),
+    "event too short": _burst(_bu([GOOD_EVENT[:2]])),
+    "event too long": _burst(_bu([[*GOOD_EVENT, 1]])),
+    "topic not a string": _burst(_bu([[7, 1.0, {}, TS]])),
+    "first event without ts": _burst(_bu([GOOD_EVENT[:3]])),
+    "t not a float": _burst(_bu([["batch_end", 1, {}, TS]])),
+    "d not a map": _burst(_bu([["batch_end", 1.0, [1], TS]])),
+    "ts too short": _burst(_bu([["batch_end", 1.0, {}, [0, 1]]])),
+    "ts of floats": _burst(_bu([GOOD_EVENT, ["batch_end", 1.0, {}, [0.0, 1, 1, 8, 0]]])),
+    "tensor frame missing": _burst(_bu([["batch_end", 1.0, TENSOR, TS]])),
+    "tensor frame unused": _burst(_bu([GOOD_EVENT]), b"\0" * 8),
+    "tensor frame too short": _burst(_bu([["batch_end", 1.0, TENSOR, TS]]), b"\0" * 8),
+    "truncated": [_burst(_bu([GOOD_EVENT]))[0][:-4]],
 }
 
 
@@ -282,4 +312,7 @@ BAD_BURSTS = {
 def test_bad_bursts_raise_wire_error(name):
     with pytest.raises(WireError):
         decode_burst(BAD_BURSTS[name])
-    assert decode_burst(_burst([1, "bu", "r", "p", 0, [GOOD_EVENT]]))[0].topic == "batch_end"
+    # the same burst, well formed, decodes; nil for d is an event without fields
+    msgs = decode_burst(_burst(_bu([GOOD_EVENT, ["batch_end", 2.0, None]])))
+    assert [(m.topic, m.seq, m.tseq, m.ts, m.data) for m in msgs] == [
+        ("batch_end", 1, 1, tuple(TS), {}), ("batch_end", 2, 2, tuple(TS), {})]
