@@ -5,9 +5,14 @@ global gradient norm published at `after_train_batch` -- one norm per parameter,
 one `.item()` each -- cost a step about 18 µs on the benchmark's MLP, and
 `zero_grad(set_to_none=True)` frees every gradient that backward then allocates again.
 Here every trainable parameter's `.grad` lies in one flat CPU buffer: a step zeroes it
-with one `zero_()`, backward accumulates into it in place, and the norm is one
-`torch.linalg.vector_norm` over the buffer (measured: 1.09x the hand-written loop with
-per-parameter norms, 1.01x with the buffer). Megatron's and DeepSpeed's contiguous
+with one `zero_()`, backward accumulates into it in place, and the norm is one op over
+the buffer (measured: 1.09x the hand-written loop with per-parameter norms, 1.01x with
+the buffer): `torch.dot` of the buffer with itself for float32 and float64, whose
+dispatch costs the step about 10 000 fewer instructions than `torch.linalg.vector_norm`
+(a third of the norm's cost on the benchmark's MLP) and which is no less accurate (its
+BLAS kernel sums in blocks: against a float64 reference, 1e-6 relative error at 10^6
+elements where vector_norm's is 1e-5; both overflow to inf alike);
+`torch.linalg.vector_norm` for half types, which it sums in float32. Megatron's and DeepSpeed's contiguous
 gradient buffers do the same for their own reasons.
 
 What the optimizer sees is what `zero_grad(set_to_none=True)` gives it: each `.grad`
@@ -30,6 +35,7 @@ trainable parameters); `Trainer(contiguous_grads=False)` turns the buffer off.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from torch import nn
@@ -53,6 +59,7 @@ class GradBuffer:
             offset += p.numel()
         self._versions = [g._version for g in self.grads]
         self._none: list[tuple[nn.Parameter, torch.Tensor]] = []  # .grad set to None last step
+        self._dot = self.flat.dtype in (torch.float32, torch.float64)  # see the module docstring
 
     @classmethod
     def adopt(cls, model: nn.Module, params: list[nn.Parameter],
@@ -114,4 +121,7 @@ class GradBuffer:
 
     def norm(self) -> float:
         """The global L2 norm of this step's gradients (a parameter with none adds 0)."""
-        return torch.linalg.vector_norm(self.flat).item()
+        flat = self.flat
+        if self._dot:
+            return math.sqrt(torch.dot(flat, flat).item())
+        return torch.linalg.vector_norm(flat).item()

@@ -173,3 +173,19 @@ def test_adopt_takes_the_first_steps_gradients_and_zero_puts_every_grad_back():
     assert all(p.grad is g for p, g in zip(params, buffer.grads, strict=True))
     assert buffer.norm() == 0.0 and buffer.flat.untyped_storage().data_ptr() == \
         params[0].grad.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_the_buffers_norm_is_the_gradients_l2_norm_in_every_float_dtype(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 10)).to(dtype)
+    model(torch.randn(32, 64, dtype=dtype)).float().square().mean().backward()
+    params = list(model.parameters())
+    expected = torch.linalg.vector_norm(torch.cat([p.grad.double().reshape(-1) for p in params])).item()
+    buffer = GradBuffer.adopt(model, params, [torch.optim.SGD(params, lr=0.1)])
+    assert buffer is not None
+    # a dot product for float32/64 (summed in the dtype), vector_norm for half types (summed in float32)
+    assert math.isclose(buffer.norm(), expected, rel_tol={torch.float64: 1e-12, torch.float32: 1e-6}.get(dtype, 1e-2))
+    if dtype in (torch.float32, torch.float64):  # the dot: a square that overflows gives inf, as vector_norm's
+        buffer.flat[0] = torch.finfo(dtype).max
+        assert buffer.norm() == math.inf == torch.linalg.vector_norm(buffer.flat).item()
