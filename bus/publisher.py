@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
+from itertools import repeat, starmap
 from typing import Any
 
 import zmq
@@ -110,7 +111,10 @@ class Publisher:
         for topic in retained:
             _check_topic(topic)
         self._retained = frozenset(retained)
-        self._wanted: frozenset[str] = self._retained  # topics encoded when published
+        # topics encoded when published: changed in place (additions before removals), so
+        # `wants` is the set's own C `__contains__`, a call that costs no Python frame
+        self._wanted: set[str] = set(self._retained)
+        self.wants = self._wanted.__contains__
         self._single: frozenset[str] = frozenset()  # topics sent as messages of their own
         self._burst = False  # someone takes bursts (a subscriber of everything)
         # open prefixes: topics outside RUN_TOPICS that they select join `_wanted` (and,
@@ -225,9 +229,9 @@ class Publisher:
 
     # ------------------------------------------------------------- hot path
 
-    def wants(self, topic: str) -> bool:
-        """Whether `publish(topic, ...)` would serialize: a subscriber wants it or it is retained."""
-        return topic in self._wanted
+    #: wants(topic): whether `publish(topic, ...)` would serialize it (a subscriber wants
+    #: it or it is retained); an instance attribute, bound in __init__.
+    wants: Any
 
     def publish(self, topic: str, ts, data: dict | None = None) -> bool:
         """Send one event; False when skipped (nobody wants it) or dropped (queue full).
@@ -288,12 +292,12 @@ class Publisher:
         seq = self._advance(n_held)
         topics = [entry[0] for entry in held]
         tseq, first = self._tseq, {}
-        for topic, count in Counter(topics).items():
+        for topic, count in Counter(topics).items():  # counted in C
             n = tseq.get(topic, 0)
             first[topic] = n + 1
             tseq[topic] = n + count
         latest = self._latest
-        for topic, i in dict(zip(topics, range(n_held), strict=True)).items():
+        for topic, i in dict(zip(topics, range(n_held), strict=True)).items():  # each one's last
             _, t, data, *has_ts = held[i]
             latest[topic] = [topic, seq + i, tseq[topic], t, has_ts[0] if has_ts else _ts_before(held, i),
                              data if data is not None else {}]
@@ -319,9 +323,9 @@ class Publisher:
             return False
         _check_topic(topic)
         self._seen_topics.add(topic)
-        self._wanted = self._wanted | {topic}
         if self._single_prefixes and topic.startswith(self._single_prefixes):
             self._single = self._single | {topic}
+        self._wanted.add(topic)  # last: where it goes is known before it is wanted
         return True
 
     def hold(self, interval: float = 0.0) -> None:
@@ -331,8 +335,9 @@ class Publisher:
         `interval` seconds have passed since the last burst left. Call release_due() at
         every step of a loop and release() wherever it may pause. Held events leave in
         order, as a burst; at most 256 wait, whatever the interval. While holding, publish
-        from one thread (the loop's): an event whose ts is the object its predecessor's
-        was is kept without it, and two threads could interleave between the two."""
+        from one thread (the loop's): an event is kept without its ts when that is the very
+        object the event before it had, and two publishing threads could interleave
+        between that check and the append."""
         if interval < 0:
             raise ValueError(f"hold interval must be >= 0, got {interval}")
         self._hold_interval = interval
@@ -359,7 +364,7 @@ class Publisher:
         """Number and send everything held now. Under _send_lock."""
         queue = self._held
         if queue:
-            held = [queue.popleft() for _ in range(len(queue))]
+            held = list(starmap(queue.popleft, repeat((), len(queue))))  # popped in C, not a Python loop
             self._released_at = time.perf_counter()
             seq, first = self._number(held)
             self._send_held(held, seq, first)
@@ -482,7 +487,9 @@ class Publisher:
         self._single, self._single_prefixes = frozenset(single), prefixes
         self._burst = burst
         self._open_prefixes = ("",) if burst else prefixes
-        self._wanted = frozenset(wanted)
+        current = self._wanted  # in place, each step one C call: no topic still wanted goes missing
+        current |= wanted
+        current -= current - wanted
 
     def _answer(self, router: zmq.Socket, heartbeat: zmq.Socket) -> None:
         while router.poll(0):

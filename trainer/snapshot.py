@@ -38,7 +38,7 @@ class Emitter:
         self.publisher = publisher
         self.cuda = device.type == "cuda"
         self._waiting: deque[tuple[str, tuple, dict, Any]] = deque()
-        self.wants = publisher.wants if publisher is not None else (lambda topic: False)
+        self.wants = publisher.wants if publisher is not None else frozenset().__contains__
         self._refused = 0  # publish() raised (a reserved topic, or nothing held)
         if publisher is not None:
             publisher.hold(burst_interval)

@@ -22,8 +22,20 @@ class Timestamp:
     iteration: int = 0
 
     def as_tuple(self) -> tuple[int, int, int, int, int]:
-        """The five counters every published event carries."""
-        return (self.epoch, self.batch, self.batch_in_epoch, self.sample, self.token)
+        """The five counters every published event carries: the same tuple object while
+        they do not change, so the events between two batches share it (a burst packs a
+        shared ts once). Not a field: state_dict() and equality ignore it."""
+        now = (self.epoch, self.batch, self.batch_in_epoch, self.sample, self.token)
+        last = self._as_tuple
+        if now == last:
+            return last
+        self._as_tuple = now
+        return now
+
+    def __post_init__(self) -> None:
+        # set here, with the fields, so every instance has the same attributes (CPython
+        # then reads them without a dict lookup); not a field itself
+        self._as_tuple: tuple[int, int, int, int, int] | None = None
 
     def next_batch(self, samples: int, tokens: int) -> None:
         self.batch += 1

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 
+import msgpack
 import pytest
 import torch
 import torchmetrics
 from common import loader, mlp
 from helpers.callbacks import BatchCounter, Crasher, ExitOnSecondFit, LossProbe, NiceProbe, Recorder
 
+from bus import Subscriber
+from bus.wire import decode_burst
 from trainer import Trainer
 
 MICRO = ["before_forward", "after_forward", "before_loss", "after_loss", "before_backward",
@@ -166,3 +169,35 @@ def test_load_eval_and_predict_fire_their_events_in_order(tmp_path):
     assert trainer.timestamp.batch == 2  # resumed from the checkpoint's step
     assert 0.0 <= results["eval"]["MulticlassAccuracy"] <= 1.0 and "loss" in results["eval"]
     assert len(outputs) == 2 and outputs[0].shape == (8, 3)
+
+
+def test_a_steps_events_share_their_timestamp_and_a_burst_carries_it_once_each(tmp_path):
+    """Timestamp.as_tuple() gives one object while the counters stand still, and the
+    publisher keeps an event without a ts that is its predecessor's: on the wire a step
+    carries its ts twice (before and after the optimizer step), not at every event."""
+    ts = Trainer(mlp(), loader(64, 8), "1ba", loss_fn=torch.nn.functional.cross_entropy,
+                 run_dir=tmp_path / "run", burst_interval=60.0).timestamp
+    assert ts.as_tuple() is ts.as_tuple()
+    before = ts.as_tuple()
+    ts.next_batch(8, 0)
+    assert ts.as_tuple() == (0, 1, 1, 8, 0) and ts.as_tuple() is not before and "_as_tuple" not in ts.state_dict()
+
+    trainer = Trainer(mlp(), loader(64, 8), "8ba", loss_fn=torch.nn.functional.cross_entropy,
+                      run_dir=tmp_path / "run2", burst_interval=60.0)
+    with Subscriber(trainer.publisher.endpoints["events"], trainer.publisher.endpoints["state"]) as sub:
+        sub.connect(join_timeout=10)
+        trainer.fit()
+        bursts = []
+        while sub._sub.poll(2000):
+            frames = sub._sub.recv_multipart()
+            if frames[0].startswith(b"_burst\0"):
+                bursts.append(frames)
+            if any(m.topic == "fit_end" for frames in bursts[-1:] for m in decode_burst(frames)):
+                break
+    trainer.close()
+    events = [m for frames in bursts for m in decode_burst(frames)]
+    steps = [m for m in events if m.topic == "batch_end"]
+    assert [m.ts[1] for m in steps] == list(range(1, 9))
+    assert all(m.ts[1] == m.ts[2] and m.ts[3] == 8 * m.ts[1] for m in events if m.topic.startswith("batch_"))
+    with_ts = sum(len(entry) == 4 for frames in bursts for entry in msgpack.unpackb(frames[0][7:])[7])
+    assert with_ts <= 2 * 8 + 6  # two a step, and a few for init, fit_start, epoch and fit_end
