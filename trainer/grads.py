@@ -7,13 +7,13 @@ one `.item()` each -- cost a step about 18 µs on the benchmark's MLP, and
 Here every trainable parameter's `.grad` lies in one flat CPU buffer: a step zeroes it
 with one `zero_()`, backward accumulates into it in place, and the norm is one op over
 the buffer (measured: 1.09x the hand-written loop with per-parameter norms, 1.01x with
-the buffer): `torch.dot` of the buffer with itself for float32 and float64, whose
-dispatch costs the step about 10 000 fewer instructions than `torch.linalg.vector_norm`
-(a third of the norm's cost on the benchmark's MLP) and which is no less accurate (its
-BLAS kernel sums in blocks: against a float64 reference, 1e-6 relative error at 10^6
-elements where vector_norm's is 1e-5; both overflow to inf alike);
-`torch.linalg.vector_norm` for half types, which it sums in float32. Megatron's and DeepSpeed's contiguous
-gradient buffers do the same for their own reasons.
+the buffer). For float32 and float64 that op is `torch.dot` of the buffer with itself:
+its dispatch costs the step about 10 000 fewer instructions than
+`torch.linalg.vector_norm` (about half the norm's cost on the benchmark's MLP), and its
+BLAS kernel, summing in blocks, is no less accurate (against a float64 reference, 1e-6
+relative error at 10^6 elements where vector_norm's is 1e-5; both overflow to inf
+alike). Half types keep `torch.linalg.vector_norm`, which sums them in float32.
+Megatron's and DeepSpeed's contiguous gradient buffers do the same for their own reasons.
 
 What the optimizer sees is what `zero_grad(set_to_none=True)` gives it: each `.grad`
 is a tensor of its own over the buffer's storage (not a view: it keeps its own version
