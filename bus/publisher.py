@@ -115,6 +115,9 @@ class Publisher:
         # `wants` is the set's own C `__contains__`, a call that costs no Python frame
         self._wanted: set[str] = set(self._retained)
         self.wants = self._wanted.__contains__
+        # orders _opens() (publishing thread, a topic's first publish) with the service
+        # thread's update of _wanted/_single: neither may undo the other's half
+        self._wanted_lock = threading.Lock()
         self._single: frozenset[str] = frozenset()  # topics sent as messages of their own
         self._burst = False  # someone takes bursts (a subscriber of everything)
         # open prefixes: topics outside RUN_TOPICS that they select join `_wanted` (and,
@@ -322,10 +325,11 @@ class Publisher:
         if not self._open_prefixes or not topic.startswith(self._open_prefixes):
             return False
         _check_topic(topic)
-        self._seen_topics.add(topic)
-        if self._single_prefixes and topic.startswith(self._single_prefixes):
-            self._single = self._single | {topic}
-        self._wanted.add(topic)  # last: where it goes is known before it is wanted
+        with self._wanted_lock:
+            self._seen_topics.add(topic)
+            if self._single_prefixes and topic.startswith(self._single_prefixes):
+                self._single = self._single | {topic}
+            self._wanted.add(topic)  # last: where it goes is known before it is wanted
         return True
 
     def hold(self, interval: float = 0.0) -> None:
@@ -377,7 +381,11 @@ class Publisher:
                 bursts = encoder.burst(seq, first, held, self.limits)
             except Exception:  # one event the wire cannot carry: leave it out, send the rest
                 events = self._encodable(_whole_events(held, seq, first))
-                bursts = encoder.bursts(events, self.limits) if events else []
+                try:
+                    bursts = encoder.bursts(events, self.limits) if events else []
+                except Exception:  # not found one by one: none of them is sent, every one counted
+                    self._encodable(events, everything=True)
+                    events, bursts = [], []
             for frames in bursts:
                 self._send(frames)
         single = self._single
@@ -391,8 +399,13 @@ class Publisher:
                         continue
                     self._send(frames)
 
-    def _encodable(self, events: list[list]) -> list[list]:
-        good, bad = self._encoder.split_unencodable(events)
+    def _encodable(self, events: list[list], everything: bool = False) -> list[list]:
+        """The events the wire can carry; the others are counted and logged (all of
+        them with `everything`: a batch that failed as a whole)."""
+        if everything:
+            good, bad = [], [(event, "its burst could not be encoded") for event in events]
+        else:
+            good, bad = self._encoder.split_unencodable(events)
         for event, why in bad:
             self.unencodable += 1
             if self.unencodable == 1 or self.unencodable % 1000 == 0:
@@ -477,19 +490,20 @@ class Publisher:
         burst = any(BURST_PREFIX.startswith(p) for p in subscriptions)
         per_topic = [p for p in subscriptions if p != _HB_PREFIX and not BURST_PREFIX.startswith(p)]
         prefixes = tuple(p.decode(errors="replace") for p in per_topic if not p.endswith(b"\0"))
-        seen = tuple(self._seen_topics)
-        single = _topics_for(per_topic)
-        if prefixes:
-            single |= {t for t in seen if t.startswith(prefixes)}
-        wanted = self._retained | single
-        if burst:
-            wanted |= frozenset(RUN_TOPICS) | frozenset(seen)
-        self._single, self._single_prefixes = frozenset(single), prefixes
-        self._burst = burst
-        self._open_prefixes = ("",) if burst else prefixes
-        current = self._wanted  # in place, each step one C call: no topic still wanted goes missing
-        current |= wanted
-        current -= current - wanted
+        with self._wanted_lock:  # a topic _opens() adds meanwhile is in `seen` or added after
+            seen = tuple(self._seen_topics)
+            single = _topics_for(per_topic)
+            if prefixes:
+                single |= {t for t in seen if t.startswith(prefixes)}
+            wanted = self._retained | single
+            if burst:
+                wanted |= frozenset(RUN_TOPICS) | frozenset(seen)
+            self._single, self._single_prefixes = frozenset(single), prefixes
+            self._burst = burst
+            self._open_prefixes = ("",) if burst else prefixes
+            current = self._wanted  # in place, each step one C call: no topic still wanted goes missing
+            current |= wanted
+            current -= current - wanted
 
     def _answer(self, router: zmq.Socket, heartbeat: zmq.Socket) -> None:
         while router.poll(0):

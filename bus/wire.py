@@ -249,7 +249,7 @@ class EventEncoder:
         frames = self._frames
         if frames:
             frames.clear()
-        body = self._packer.pack((seq, tseq, time.time() if t is None else t, ts, data))[1:]
+        body = _pack(self._packer, (seq, tseq, time.time() if t is None else t, ts, data))[1:]
         if frames:
             self._frames = []
             return body, frames
@@ -281,7 +281,7 @@ class EventEncoder:
         frames = self._frames
         if frames:
             frames.clear()
-        body = self._packer.pack((seq, tseq, entries))  # an array of 3: its 1-byte header goes
+        body = _pack(self._packer, (seq, tseq, entries))  # an array of 3: its 1-byte header goes
         if len(body) + len(self._burst_head) > limits.max_body_bytes or len(frames) > limits.max_frames \
                 or frames and sum(map(len, frames)) > limits.max_message_bytes - limits.max_body_bytes:
             if len(entries) > 1:
@@ -309,17 +309,29 @@ class EventEncoder:
         return out
 
     def split_unencodable(self, events: list[list]) -> tuple[list[list], list[tuple[list, str]]]:
-        """(the events the wire can carry, [(event, why) for each one it cannot])."""
+        """(the events the wire can carry, [(event, why) for each one it cannot]), each
+        packed as deep as a burst holds it (msgpack limits nesting depth)."""
         good, bad = [], []
         for event in events:
             try:
-                self._packer.pack(event)
+                self._packer.pack(((event,),))  # a burst's body, then its events array
             except Exception as exc:  # WireError from _default, or msgpack's own TypeError/ValueError
                 bad.append((event, str(exc)))
             else:
                 good.append(event)
         self._frames = []
         return good, bad
+
+
+def _pack(packer: msgpack.Packer, value: Any) -> bytes:
+    """packer.pack(value); what msgpack itself refuses (nesting too deep, an int too
+    large) is a WireError too, as a type the wire does not carry is."""
+    try:
+        return packer.pack(value)
+    except WireError:
+        raise
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise WireError(f"cannot encode the event: {exc}") from None
 
 
 def _last_ts(entries: list) -> tuple:

@@ -325,12 +325,18 @@ def test_reserved_topics_are_refused_and_unencodable_held_events_are_counted_not
         publisher.publish("batch_end", (0, 1, 1, 1, 0), {"i": 1})
         publisher.publish("batch_end", ts, {"odd": object()})
         publisher.publish("batch_end", ts, {"i": 3})
+        deep = 1
+        for _ in range(1021):  # fits in an event of its own, not two levels deeper in a burst
+            deep = [deep]
+        publisher.publish("batch_end", ts, {"deep": deep})
+        publisher.publish("batch_end", ts, {"i": 5})
         publisher.release()  # does not raise
-        assert publisher.unencodable == 1
-        got = [sub.recv(timeout=2) for _ in range(2)]
-        assert [(m.data["i"], m.seq, m.tseq, m.ts) for m in got] == [(1, 1, 1, (0, 1, 1, 1, 0)), (3, 3, 3, ts)]
+        assert publisher.unencodable == 2
+        got = [sub.recv(timeout=2) for _ in range(3)]
+        assert [(m.data["i"], m.seq, m.tseq, m.ts) for m in got] == [
+            (1, 1, 1, (0, 1, 1, 1, 0)), (3, 3, 3, ts), (5, 5, 5, ts)]
         deadline = time.monotonic() + 3
         while sub.stats.gaps == 0 and time.monotonic() < deadline:
             sub.recv(timeout=0.05)
-        assert sub.stats.gaps == 1  # its sequence number was spent: counted lost
+        assert sub.stats.gaps == 2  # their sequence numbers were spent: counted lost
         publisher.release(stop_holding=True)

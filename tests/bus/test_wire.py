@@ -269,6 +269,27 @@ def test_unencodable_events_are_found_one_by_one():
     assert len(bursts) == 2 and [m.seq for frames in bursts for m in decode_burst(frames)] == [1, 3]
 
 
+def _nested(depth):
+    value = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_what_msgpack_refuses_is_a_wire_error_and_is_found_at_the_depth_a_burst_packs_it():
+    enc = EventEncoder("run-1", "pub-1", 0)
+    for odd in ({"deep": _nested(5000)}, {"huge": 2**64}):
+        with pytest.raises(WireError, match="cannot encode"):
+            enc.encode("batch_end", 1, 1, (0, 0, 0, 0, 0), odd)
+    # deep enough to fail only inside a burst (two levels below a single event's body)
+    events = burst_events(1) + [["batch_end", 2, 1, 1.0, (0, 0, 0, 0, 0), {"deep": _nested(1021)}]]
+    assert enc.encode("batch_end", 2, 1, (0, 0, 0, 0, 0), events[1][5])  # alone it fits
+    with pytest.raises(WireError):
+        enc.bursts(events)
+    good, bad = enc.split_unencodable(events)
+    assert [e[1] for e in good] == [1] and [e[1] for e, _ in bad] == [2]
+
+
 def _burst(body, *frames):
     return [b"_burst\0" + msgpack.packb(body), *frames]
 
