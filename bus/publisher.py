@@ -42,6 +42,7 @@ from bus.wire import (
     decode_request,
     encode_heartbeat,
     encode_reply,
+    entry_ts,
     topic_prefix,
 )
 
@@ -301,10 +302,9 @@ class Publisher:
             tseq[topic] = n + count
         latest = self._latest
         for topic, i in dict(zip(topics, range(n_held), strict=True)).items():  # each one's last
-            _, t, data, *has_ts = held[i]
-            latest[topic] = [topic, seq + i, tseq[topic], t, has_ts[0] if has_ts else _ts_before(held, i),
-                             data if data is not None else {}]
-        self._released_ts = _ts_before(held, n_held - 1)
+            t, data = held[i][1], held[i][2]
+            latest[topic] = [topic, seq + i, tseq[topic], t, entry_ts(held, i), data if data is not None else {}]
+        self._released_ts = entry_ts(held, -1)
         return seq, first
 
     def _send(self, frames: list) -> bool:
@@ -569,13 +569,6 @@ class Publisher:
 
 
 _NO_TS = object()  # no held entry has this ts: the first one appended always carries its own
-
-
-def _ts_before(held: list, i: int) -> Any:
-    """The ts of held entry `i`: its own, or that of the nearest entry before it."""
-    while len(held[i]) == 3:
-        i -= 1
-    return held[i][3]
 
 
 def _whole_events(held: list, seq: int, first: dict[str, int]) -> list[list]:

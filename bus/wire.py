@@ -288,7 +288,7 @@ class EventEncoder:
                 half = len(entries) // 2
                 first, second = entries[:half], entries[half:]
                 if len(second[0]) == 3:  # the second part's first entry carries its ts
-                    second[0] = (*second[0], _last_ts(first))
+                    second[0] = (*second[0], entry_ts(first, -1))
                 counts = Counter(entry[0] for entry in first)
                 return self.burst(seq, {topic: tseq[topic] for topic in counts}, first, limits) + \
                     self.burst(seq + half, {e[0]: tseq[e[0]] + counts.get(e[0], 0) for e in second},
@@ -334,12 +334,12 @@ def _pack(packer: msgpack.Packer, value: Any) -> bytes:
         raise WireError(f"cannot encode the event: {exc}") from None
 
 
-def _last_ts(entries: list) -> tuple:
-    """The ts of the last of burst entries (the last one that carries it)."""
-    for entry in reversed(entries):
-        if len(entry) == 4:
-            return entry[3]
-    raise ValueError("no burst entry carries a ts")
+def entry_ts(entries: list, i: int) -> tuple:
+    """The ts of burst entry `i` ((topic, t, d) or (topic, t, d, ts)): its own, or that of
+    the nearest entry before it that carries one (the first always does)."""
+    while len(entries[i]) == 3:
+        i -= 1
+    return entries[i][3]
 
 
 def _runs(events: list[list]) -> list[tuple[int, dict[str, int], list]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -20,6 +21,19 @@ def wait_until(predicate, timeout=5.0, what="condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def every_and_one(publisher, topic):
+    """Two joined subscribers: one of everything (bursts), one of `topic` alone (its own
+    messages), once the publisher has seen both subscriptions."""
+    with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"], settle=0.2) as every, \
+            Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
+                       topics=[topic], settle=0.2) as one:
+        every.connect()
+        one.connect()
+        wait_until(lambda: publisher._burst and topic in publisher._single)
+        yield every, one
 
 
 @pytest.fixture
@@ -255,12 +269,7 @@ def test_a_late_joiner_while_events_are_held_gets_them_in_its_state_and_nothing_
 
 def test_held_events_of_a_stalled_loop_leave_on_their_own_and_bursts_reach_subscribers_of_everything(
         publisher):
-    with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"], settle=0.2) as every, \
-            Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
-                       topics=["batch_end"], settle=0.2) as one:
-        every.connect()
-        one.connect()
-        wait_until(lambda: publisher._burst and "batch_end" in publisher._single)
+    with every_and_one(publisher, "batch_end") as (every, one):
         publisher.hold(interval=0.01)
         for i in range(1, 4):
             publisher.publish("batch_start", (0, i, i, i, 0), {"i": i})
@@ -285,12 +294,7 @@ def test_held_events_of_a_stalled_loop_leave_on_their_own_and_bursts_reach_subsc
 
 def test_held_events_sharing_a_ts_keep_it_across_releases_for_bursts_topics_and_late_joiners(publisher):
     a, b = (0, 1, 1, 32, 0), (0, 2, 2, 64, 0)  # a step's events share one ts object
-    with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"], settle=0.2) as every, \
-            Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
-                       topics=["after_loss"], settle=0.2) as one:
-        every.connect()
-        one.connect()
-        wait_until(lambda: publisher._burst and "after_loss" in publisher._single)
+    with every_and_one(publisher, "after_loss") as (every, one):
         publisher.hold(interval=60.0)
         publisher.publish("batch_start", a, {"i": 1})
         publisher.publish("after_loss", a, {"i": 2})
