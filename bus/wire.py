@@ -46,12 +46,14 @@ encoders below.
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import ormsgpack
 
 from bus.errors import WireError
 
@@ -80,6 +82,16 @@ HEARTBEAT_TOPIC = "_hb"
 BURST_TOPIC = "_burst"
 BURST_PREFIX = b"_burst\0"
 TENSOR_EXT = 1
+
+# Events are packed by ormsgpack (about a third of msgpack's Packer's instructions for a
+# burst of small values, on the training thread). Whatever it would encode by a
+# convention of its own (dataclasses, datetimes, UUIDs, enums) or refuse with a message
+# of its own (ints past 64 bits) goes to EventEncoder._default instead, so the wire
+# carries what msgpack's packer did and decoders read: nothing is converted silently.
+_packb = ormsgpack.packb
+_PACK_OPTIONS = (ormsgpack.OPT_PASSTHROUGH_BIG_INT | ormsgpack.OPT_PASSTHROUGH_DATACLASS
+                 | ormsgpack.OPT_PASSTHROUGH_DATETIME | ormsgpack.OPT_PASSTHROUGH_ENUM
+                 | ormsgpack.OPT_PASSTHROUGH_UUID)
 
 #: Bytes per element of every dtype a tensor frame may carry.
 DTYPE_SIZES = {
@@ -222,7 +234,7 @@ class EventEncoder:
     def __init__(self, run: str, pub: str, rank: int) -> None:
         self.run, self.pub, self.rank = run, pub, rank
         self._frames: list[memoryview] = []
-        self._packer = msgpack.Packer(default=self._default, autoreset=True)
+        self._refused: str | None = None  # why _default refused a value (ormsgpack drops it)
         constant = msgpack.packb([VERSION, "ev", run, pub, rank])
         # fixarray header of 10 entries, then the 5 constant fields without their own header
         self._constant = b"\x9a" + constant[1:]
@@ -230,18 +242,44 @@ class EventEncoder:
         # fixarray header of 8 entries, then the 5 constant fields; burst() packs the other 3
         self._burst_head = BURST_PREFIX + b"\x98" + msgpack.packb([VERSION, "bu", run, pub, rank])[1:]
 
-    def _default(self, value: Any) -> msgpack.ExtType:
-        if type(value) is TensorFrame:  # relayed as it arrived (a recorder re-framing an event)
-            self._frames.append(value.data)
-            return msgpack.ExtType(TENSOR_EXT, msgpack.packb([len(self._frames), value.dtype,
-                                                              list(value.shape)]))
-        if _is_tensor(value):
-            dtype, shape, view = _tensor_bytes(value)
-            self._frames.append(view)
-            return msgpack.ExtType(TENSOR_EXT, msgpack.packb([len(self._frames), dtype, shape]))
-        if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalar
-            return value.item()
-        raise WireError(f"cannot encode {type(value).__name__} on the wire (not pickled, by design)")
+    def _default(self, value: Any) -> Any:
+        """What ormsgpack hands back: tensors become frames, and what msgpack's own packer
+        took (numpy scalars, int, float and str subclasses such as IntEnum, numpy.float64 and
+        str Enums, tuple subclasses such as namedtuples) its plain value; anything else is refused."""
+        try:
+            if type(value) is TensorFrame:  # relayed as it arrived (a recorder re-framing an event)
+                self._frames.append(value.data)
+                return ormsgpack.Ext(TENSOR_EXT, msgpack.packb([len(self._frames), value.dtype,
+                                                                list(value.shape)]))
+            if _is_tensor(value):
+                dtype, shape, view = _tensor_bytes(value)
+                self._frames.append(view)
+                return ormsgpack.Ext(TENSOR_EXT, msgpack.packb([len(self._frames), dtype, shape]))
+            if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalar
+                return value.item()
+            if isinstance(value, int) and type(value) is not int:  # IntEnum; a plain int here is past 64 bits
+                return operator.index(value)
+            if isinstance(value, float):
+                return float(value)
+            if isinstance(value, str):  # a str Enum
+                return str.__str__(value)
+            if isinstance(value, tuple):
+                return list(value)
+            what = "an int past 64 bits" if isinstance(value, int) else type(value).__name__
+            raise WireError(f"cannot encode {what} on the wire (not pickled, by design)")
+        except Exception as exc:
+            self._refused = str(exc)
+            raise
+
+    def _pack(self, value: Any) -> bytes:
+        """`value` in msgpack; what the wire cannot carry (a type it does not know, an int
+        past 64 bits, a dict key that is not a str, nesting deeper than 255) raises
+        WireError."""
+        try:
+            return _packb(value, default=self._default, option=_PACK_OPTIONS)
+        except TypeError as exc:  # ormsgpack.MsgpackEncodeError: _default's reason, if it refused
+            why, self._refused = self._refused, None
+            raise WireError(why or f"cannot encode the event: {exc}") from None
 
     def encode_body(self, seq: int, tseq: int, ts, data, t: float | None = None) -> tuple[bytes, list | None]:
         """An event's variable fields (seq, tseq, t, ts, d) packed without their array
@@ -249,7 +287,7 @@ class EventEncoder:
         frames = self._frames
         if frames:
             frames.clear()
-        body = _pack(self._packer, (seq, tseq, time.time() if t is None else t, ts, data))[1:]
+        body = self._pack((seq, tseq, time.time() if t is None else t, ts, data))[1:]
         if frames:
             self._frames = []
             return body, frames
@@ -281,7 +319,7 @@ class EventEncoder:
         frames = self._frames
         if frames:
             frames.clear()
-        body = _pack(self._packer, (seq, tseq, entries))  # an array of 3: its 1-byte header goes
+        body = self._pack((seq, tseq, entries))  # an array of 3: its 1-byte header goes
         if len(body) + len(self._burst_head) > limits.max_body_bytes or len(frames) > limits.max_frames \
                 or frames and sum(map(len, frames)) > limits.max_message_bytes - limits.max_body_bytes:
             if len(entries) > 1:
@@ -314,24 +352,13 @@ class EventEncoder:
         good, bad = [], []
         for event in events:
             try:
-                self._packer.pack(((event,),))  # a burst's body, then its events array
-            except Exception as exc:  # WireError from _default, or msgpack's own TypeError/ValueError
+                self._pack(((event,),))  # a burst's body, then its events array
+            except WireError as exc:
                 bad.append((event, str(exc)))
             else:
                 good.append(event)
         self._frames = []
         return good, bad
-
-
-def _pack(packer: msgpack.Packer, value: Any) -> bytes:
-    """packer.pack(value); what msgpack itself refuses (nesting too deep, an int too
-    large) is a WireError too, as a type the wire does not carry is."""
-    try:
-        return packer.pack(value)
-    except WireError:
-        raise
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise WireError(f"cannot encode the event: {exc}") from None
 
 
 def entry_ts(entries: list, i: int) -> tuple:

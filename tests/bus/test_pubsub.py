@@ -10,6 +10,7 @@ import msgpack
 import pytest
 import torch
 import zmq
+from helpers.wire_values import deepest_alone, nested
 
 from bus import Publisher, PublisherSilent, Subscriber, WireError
 from bus.wire import EventEncoder
@@ -329,9 +330,7 @@ def test_reserved_topics_are_refused_and_unencodable_held_events_are_counted_not
         publisher.publish("batch_end", (0, 1, 1, 1, 0), {"i": 1})
         publisher.publish("batch_end", ts, {"odd": object()})
         publisher.publish("batch_end", ts, {"i": 3})
-        deep = 1
-        for _ in range(1021):  # fits in an event of its own, not two levels deeper in a burst
-            deep = [deep]
+        deep = nested(deepest_alone())  # fits in an event of its own, not in a burst
         publisher.publish("batch_end", ts, {"deep": deep})
         publisher.publish("batch_end", ts, {"i": 5})
         publisher.release()  # does not raise

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import datetime
+import enum
+import math
+import uuid
+
 import msgpack
+import numpy as np
 import pytest
 import torch
+from helpers.wire_values import deepest_alone, nested
 
 from bus.wire import (
     HEARTBEAT_TOPIC,
@@ -269,25 +278,54 @@ def test_unencodable_events_are_found_one_by_one():
     assert len(bursts) == 2 and [m.seq for frames in bursts for m in decode_burst(frames)] == [1, 3]
 
 
-def _nested(depth):
-    value = 1
-    for _ in range(depth):
-        value = [value]
-    return value
-
-
-def test_what_msgpack_refuses_is_a_wire_error_and_is_found_at_the_depth_a_burst_packs_it():
+def test_what_the_packer_refuses_is_a_wire_error_and_is_found_at_the_depth_a_burst_packs_it():
     enc = EventEncoder("run-1", "pub-1", 0)
-    for odd in ({"deep": _nested(5000)}, {"huge": 2**64}):
+    for odd in ({"deep": nested(5000)}, {"huge": 2**64}, {"key": {1: 2}}, {"s": "\ud800"}):
         with pytest.raises(WireError, match="cannot encode"):
             enc.encode("batch_end", 1, 1, (0, 0, 0, 0, 0), odd)
     # deep enough to fail only inside a burst (two levels below a single event's body)
-    events = burst_events(1) + [["batch_end", 2, 1, 1.0, (0, 0, 0, 0, 0), {"deep": _nested(1021)}]]
+    depth = deepest_alone()
+    assert depth > 100
+    events = burst_events(1) + [["batch_end", 2, 1, 1.0, (0, 0, 0, 0, 0), {"deep": nested(depth)}]]
     assert enc.encode("batch_end", 2, 1, (0, 0, 0, 0, 0), events[1][5])  # alone it fits
     with pytest.raises(WireError):
         enc.bursts(events)
     good, bad = enc.split_unencodable(events)
     assert [e[1] for e in good] == [1] and [e[1] for e, _ in bad] == [2]
+
+
+def test_what_msgpacks_packer_took_travels_as_its_plain_value_and_the_rest_is_refused_by_name():
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    class Mode(str, enum.Enum):
+        FAST = "fast"
+
+    Pair = collections.namedtuple("Pair", "a b")
+    data = {"level": Level.HIGH, "mode": Mode.FAST, "pair": Pair(1, 2.5), "f64": np.float64(0.5),
+            "i64": np.int64(-7), "flag": np.bool_(True), "ordered": collections.OrderedDict(a=1),
+            "raw": bytearray(b"ab"), "view": memoryview(b"cd"), "u64": 2**64 - 1, "nan": math.nan}
+    m = decode_event(EventEncoder("r", "p", 0).encode("batch_end", 1, 1, (0, 0, 0, 0, 0), data))
+    assert m.data["level"] == 3 and type(m.data["level"]) is int
+    assert m.data["mode"] == "fast" and m.data["pair"] == [1, 2.5] and m.data["f64"] == 0.5
+    assert m.data["i64"] == -7 and m.data["flag"] is True and m.data["ordered"] == {"a": 1}
+    assert m.data["raw"] == b"ab" and m.data["view"] == b"cd" and m.data["u64"] == 2**64 - 1
+    assert math.isnan(m.data["nan"])
+    enc = EventEncoder("r", "p", 0)
+    for value, name in ((datetime.datetime(2026, 1, 1), "datetime"), ({1, 2}, "set"),
+                        (uuid.UUID(int=1), "UUID"), (enum.Enum("Color", "RED").RED, "Color"),
+                        (_Point(1, 2), "_Point"), (1j, "complex")):
+        with pytest.raises(WireError, match=f"cannot encode {name} on the wire"):
+            enc.encode("batch_end", 1, 1, (0, 0, 0, 0, 0), {"x": value})
+    with pytest.raises(WireError, match="an int past 64 bits"):
+        enc.encode("batch_end", 1, 1, (0, 0, 0, 0, 0), {"x": -2**63 - 1})
+    assert enc.encode("batch_end", 1, 1, (0, 0, 0, 0, 0), {"x": 1})  # a refusal leaves nothing behind
+
+
+@dataclasses.dataclass
+class _Point:
+    x: int
+    y: int
 
 
 def _burst(body, *frames):
