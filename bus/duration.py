@@ -40,6 +40,11 @@ class Time:
     value: int
     unit: TimeUnit
 
+    def __post_init__(self) -> None:
+        # the timestamp field reached() reads, looked up once: the trainer asks every batch,
+        # and an Enum's property costs three Python calls
+        object.__setattr__(self, "_counter", self.unit.counter)
+
     @classmethod
     def parse(cls, text: str | Time) -> Time:
         if isinstance(text, Time):
@@ -56,7 +61,7 @@ class Time:
 
     def reached(self, timestamp) -> bool:
         """Whether a timestamp (anything with epoch/batch/sample/token) is at or past this."""
-        return getattr(timestamp, self.unit.counter) >= self.value
+        return getattr(timestamp, self._counter) >= self.value
 
     def crossed(self, before: int, after: int) -> bool:
         """Whether a multiple of this interval lies in (before, after]: for 'every N' schedules."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+from operator import attrgetter
 
 import torch
 from torch import nn
@@ -43,6 +44,8 @@ from torch import nn
 __all__ = ["GradBuffer"]
 
 log = logging.getLogger("offloop.trainer")
+
+_VERSION = attrgetter("_version")
 
 
 class GradBuffer:
@@ -57,7 +60,7 @@ class GradBuffer:
             # set_() rather than a view: each gradient keeps a version counter of its own
             self.grads.append(torch.empty(0, dtype=p.dtype).set_(storage, offset, p.shape, p.stride()))
             offset += p.numel()
-        self._versions = [g._version for g in self.grads]
+        self._versions = list(map(_VERSION, self.grads))
         self._none: list[tuple[nn.Parameter, torch.Tensor]] = []  # .grad set to None last step
         self._dot = self.flat.dtype in (torch.float32, torch.float64)  # see the module docstring
 
@@ -102,7 +105,7 @@ class GradBuffer:
             for p, g in self._none:
                 p.grad = g
             self._none.clear()
-        self._versions = [g._version for g in self.grads]
+        self._versions = list(map(_VERSION, self.grads))  # in C: no comprehension frame
 
     def settle(self) -> bool:
         """After the step's backward: a parameter that got no gradient goes back to None.

@@ -20,6 +20,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
+from itertools import chain
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -54,6 +56,8 @@ from trainer.timestamp import Timestamp
 __all__ = ["Trainer"]
 
 log = logging.getLogger("offloop.trainer")
+
+_LR, _PARAM_GROUPS = itemgetter("lr"), attrgetter("param_groups")  # read in C at every batch_end
 
 PRECISIONS = ("fp32", "amp_fp16", "amp_bf16")
 #: Event values as plain strings: the topics the loop publishes, looked up cheaply.
@@ -123,6 +127,8 @@ class Trainer:
         self.seed = seed if seed is not None else random.randrange(2**31)
         _seed_everything(self.seed)
         self.precision, self.grad_accum = precision, grad_accum
+        # each microbatch's events share one dict, never modified (published as it is)
+        self._micro_data = tuple({"microbatch": i} for i in range(grad_accum))
         # fp16 gradients underflow without loss scaling (bf16 has fp32's range: none needed)
         self._scaler = torch.amp.GradScaler(self.device.type) if precision == "amp_fp16" else None
         self.loss_fn, self.num_tokens_fn = loss_fn, num_tokens_fn
@@ -358,7 +364,8 @@ class Trainer:
     def _train_batch(self, batch: Any) -> None:
         """One optimizer step, every event of it in Composer's order."""
         ts, emit, wants, host = self.timestamp, self.emitter.emit, self.emitter.wants, self.emitter.host
-        batch = _to_device(batch, self.device)
+        if self.device.type != "cpu":
+            batch = _to_device(batch, self.device)
         size = _batch_size(batch)
         now = ts.as_tuple()
         emit(E.BATCH_START, now, {"batch_size": size})
@@ -371,13 +378,14 @@ class Trainer:
                 opt.zero_grad(set_to_none=True)
         total_loss = loss_out = None
         accum = self.grad_accum
-        for i, micro in enumerate(_split(batch, accum)):
-            emit(E.BEFORE_FORWARD, now, {"microbatch": i})
-            with self._autocast():
-                outputs = self._forward(micro)
-                emit(E.AFTER_FORWARD, now, {"microbatch": i})
-                emit(E.BEFORE_LOSS, now, {"microbatch": i})
-                loss = self._loss(outputs, micro)
+        for i, micro in enumerate((batch,) if accum == 1 else _split(batch, accum)):
+            micro_data = self._micro_data[i]
+            emit(E.BEFORE_FORWARD, now, micro_data)
+            if self.precision == "fp32":
+                outputs, loss = self._forward_and_loss(micro, now, micro_data)
+            else:
+                with self._autocast():
+                    outputs, loss = self._forward_and_loss(micro, now, micro_data)
             if wants(E.AFTER_LOSS):  # the microbatch's own loss, as Composer's state.loss here
                 loss_out = host(loss)
                 self.emitter.snapshot(E.AFTER_LOSS, now, {"microbatch": i, "loss": loss_out})
@@ -386,9 +394,9 @@ class Trainer:
                 total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
             else:  # the step's loss is this one: read for the snapshots below, if at all
                 total_loss = loss
-            emit(E.BEFORE_BACKWARD, now, {"microbatch": i})
+            emit(E.BEFORE_BACKWARD, now, micro_data)
             (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
-            emit(E.AFTER_BACKWARD, now, {"microbatch": i})
+            emit(E.AFTER_BACKWARD, now, micro_data)
         last = (micro, outputs)
         if grads is not None:
             if not grads.settle():  # a .grad was replaced: the buffer no longer holds them
@@ -425,6 +433,21 @@ class Trainer:
         self._save_requested("batch_checkpoint")
         if self.emitter.cuda:
             self.emitter.poll()
+
+    def _forward_and_loss(self, micro: Any, now: tuple, micro_data: dict) -> tuple[Any, torch.Tensor]:
+        """A training microbatch's forward pass and loss, with the events between them
+        (one call a microbatch: on a small model each Python call is a share of the step)."""
+        emit = self.emitter.emit
+        if self.loss_fn is None:
+            outputs = self.model(micro)
+            emit(E.AFTER_FORWARD, now, micro_data)
+            emit(E.BEFORE_LOSS, now, micro_data)
+            return outputs, getattr(self.model, "module", self.model).loss(outputs, micro)
+        inputs, targets = micro if isinstance(micro, (tuple, list)) and len(micro) == 2 else _pair(micro)
+        outputs = self.model(inputs)
+        emit(E.AFTER_FORWARD, now, micro_data)
+        emit(E.BEFORE_LOSS, now, micro_data)
+        return outputs, self.loss_fn(outputs, targets)
 
     def _forward(self, batch: Any) -> Any:
         if self.loss_fn is None:
@@ -474,7 +497,7 @@ class Trainer:
         """What batch_end callbacks read, built with Emitter.host() (numbers on the CPU)."""
         snapshot: dict[str, Any] = {
             "loss": loss,
-            "lr": [group["lr"] for opt in self.optimizers for group in opt.param_groups],
+            "lr": list(map(_LR, chain.from_iterable(map(_PARAM_GROUPS, self.optimizers)))),
             "batch_size": size,
         }
         if self.device.type == "cuda":
@@ -890,10 +913,10 @@ def _pair(batch: Any) -> tuple[Any, Any]:
 
 
 def _batch_size(batch: Any) -> int:
+    while isinstance(batch, (tuple, list)) and batch:  # the first element's
+        batch = batch[0]
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.ndim else 1
-    if isinstance(batch, (tuple, list)) and batch:
-        return _batch_size(batch[0])
     if isinstance(batch, Mapping) and batch:
         return _batch_size(next(iter(batch.values())))
     raise TrainerError(f"cannot tell the batch size of a {type(batch).__name__} batch")
