@@ -353,7 +353,7 @@ class EventEncoder:
         for event in events:
             try:
                 self._pack(((event,),))  # a burst's body, then its events array
-            except WireError as exc:
+            except Exception as exc:  # WireError; anything else the packer raises is a refusal too
                 bad.append((event, str(exc)))
             else:
                 good.append(event)
