@@ -437,17 +437,17 @@ class Trainer:
     def _forward_and_loss(self, micro: Any, now: tuple, micro_data: dict) -> tuple[Any, torch.Tensor]:
         """A training microbatch's forward pass and loss, with the events between them
         (one call a microbatch: on a small model each Python call is a share of the step)."""
-        emit = self.emitter.emit
-        if self.loss_fn is None:
-            outputs = self.model(micro)
-            emit(E.AFTER_FORWARD, now, micro_data)
-            emit(E.BEFORE_LOSS, now, micro_data)
-            return outputs, getattr(self.model, "module", self.model).loss(outputs, micro)
-        inputs, targets = micro if isinstance(micro, (tuple, list)) and len(micro) == 2 else _pair(micro)
+        emit, loss_fn = self.emitter.emit, self.loss_fn
+        if loss_fn is None:  # Composer's protocol: the model takes the batch, its loss() scores it
+            inputs = micro
+        else:  # an (input, target) pair; _pair names what else it got
+            inputs, targets = micro if isinstance(micro, (tuple, list)) and len(micro) == 2 else _pair(micro)
         outputs = self.model(inputs)
         emit(E.AFTER_FORWARD, now, micro_data)
         emit(E.BEFORE_LOSS, now, micro_data)
-        return outputs, self.loss_fn(outputs, targets)
+        if loss_fn is None:
+            return outputs, getattr(self.model, "module", self.model).loss(outputs, micro)
+        return outputs, loss_fn(outputs, targets)
 
     def _forward(self, batch: Any) -> Any:
         if self.loss_fn is None:
