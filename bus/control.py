@@ -105,7 +105,9 @@ class ControlServer:
         self._authorize = authorize
         self._host, self._port = host, port
         self._keep_acks = keep_acks
-        self._inbox: deque[ControlRequest] = deque()
+        #: requests the server thread queued for the next poll(), oldest first (the trainer
+        #: reads its truth value each batch instead of calling poll() for nothing)
+        self.inbox: deque[ControlRequest] = deque()
         self._outbox: deque[tuple[ControlRequest, bytes]] = deque()
         self._pending: dict[tuple[str, int], bytes] = {}  # key -> latest routing identity
         self._acks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
@@ -142,11 +144,11 @@ class ControlServer:
 
     def poll(self) -> list[ControlRequest]:
         """Requests that arrived since the last call; never blocks."""
-        if not self._inbox:
+        if not self.inbox:
             return []
         out = []
-        while self._inbox:
-            out.append(self._inbox.popleft())
+        while self.inbox:
+            out.append(self.inbox.popleft())
         return out
 
     def _answer(self, request: ControlRequest, ok: bool, result: dict, error: str | None) -> None:
@@ -254,7 +256,7 @@ class ControlServer:
             router.send_multipart([identity, body])
             return
         self._pending[key] = identity
-        self._inbox.append(request)
+        self.inbox.append(request)
 
     def _refusal(self, request: ControlRequest) -> str | None:
         if request.op not in OPS:

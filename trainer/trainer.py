@@ -114,6 +114,7 @@ class Trainer:
         self.rank = distributed.rank() if distributed.init_from_env() else 0
         self.world_size = distributed.world_size()
         self.device = _resolve_device(device)
+        self._device_type = self.device.type  # read per batch: torch.device.type builds a new str
         if precision not in PRECISIONS:
             raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
         if not isinstance(grad_accum, int) or grad_accum < 1:
@@ -160,7 +161,7 @@ class Trainer:
         self.eval_metrics = _metrics(eval_metrics, self.device)
         bare = getattr(model, "module", model)
         self._flops_fn = getattr(bare, "flops_per_batch", None)  # Composer's optional model hook
-        self._rss: int | None = None  # peak resident memory, as last read
+        self._rss: dict[str, int] | None = None  # peak resident memory, as last read (published as is)
         self.timestamp = Timestamp()
         self.run_id = uuid.uuid4().hex[:12]
         self.run_name = run_name or (Path(run_dir).name if run_dir else
@@ -364,7 +365,7 @@ class Trainer:
     def _train_batch(self, batch: Any) -> None:
         """One optimizer step, every event of it in Composer's order."""
         ts, emit, wants, host = self.timestamp, self.emitter.emit, self.emitter.wants, self.emitter.host
-        if self.device.type != "cpu":
+        if self._device_type != "cpu":
             batch = _to_device(batch, self.device)
         size = _batch_size(batch)
         now = ts.as_tuple()
@@ -412,7 +413,11 @@ class Trainer:
         if accum > 1 or loss_out is None:
             loss_out = host(total_loss) if wants(E.BATCH_END) or wants(E.AFTER_TRAIN_BATCH) else None
         if wants(E.AFTER_TRAIN_BATCH):
-            self.emitter.snapshot(E.AFTER_TRAIN_BATCH, now, self._grad_snapshot(loss_out))
+            grads = self._grads  # the buffer's global norm is one op: no call to _grad_snapshot
+            self.emitter.snapshot(E.AFTER_TRAIN_BATCH, now,
+                                  {"grad_norm": grads.norm(), "loss": loss_out}
+                                  if grads is not None and not self.per_param_grad_norms
+                                  else self._grad_snapshot(loss_out))
         for opt in self.optimizers:
             if self._scaler is not None:
                 self._scaler.step(opt)  # skipped when a gradient overflowed
@@ -469,7 +474,8 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def _grad_snapshot(self, loss: Any) -> dict[str, Any]:
-        """Global gradient L2 norm, computed on the device (no sync); per-parameter opt-in."""
+        """Global gradient L2 norm, computed on the device (no sync); per-parameter opt-in.
+        (_train_batch reads the contiguous buffer's norm itself, without this call.)"""
         if self._grads is not None and not self.per_param_grad_norms:
             return {"grad_norm": self._grads.norm(), "loss": loss}  # one op over the buffer
         # backward never builds a graph of the gradients here: they need no detach()
@@ -480,7 +486,7 @@ class Trainer:
             if not grads:
                 return {"grad_norm": None, "loss": loss}
         norms = torch._foreach_norm(grads)  # one kernel launch for every parameter
-        if self.device.type == "cpu":
+        if self._device_type == "cpu":
             # host numbers now (no device to wait for): the per-parameter norms combined
             # in double precision on the host cost half what two more torch ops would
             values = [n.item() for n in norms] if len(norms) <= 16 else torch.stack(norms).tolist()
@@ -500,12 +506,12 @@ class Trainer:
             "lr": list(map(_LR, chain.from_iterable(map(_PARAM_GROUPS, self.optimizers)))),
             "batch_size": size,
         }
-        if self.device.type == "cuda":
+        if self._device_type == "cuda":
             snapshot["memory"] = _cuda_memory(self.device)
         else:
             if self._rss is None or not self.timestamp.batch % 16:  # a peak: read every 16 steps
-                self._rss = _max_rss()
-            snapshot["memory"] = {"max_rss_bytes": self._rss}
+                self._rss = {"max_rss_bytes": _max_rss()}  # a new dict: held events keep theirs
+            snapshot["memory"] = self._rss
         if self._flops_fn is not None:
             flops = self._flops_fn(batch)
             snapshot["flops"] = self.emitter.host(flops) if isinstance(flops, torch.Tensor) else flops
@@ -524,7 +530,14 @@ class Trainer:
 
     def _poll_control(self) -> None:
         """Read control requests once per batch; all ranks agree on what to do."""
-        requests = self.control.poll() if self.control is not None else ()
+        control = self.control
+        if not (self._pending_halts or self._pending_ckpts or self._sigterm or self._agreement.active
+                or (control is not None and control.inbox)):
+            # the usual batch: nothing asked or pending, and no other rank to agree with
+            self._ckpts_due = 0
+            self.emitter.release_due()
+            return
+        requests = control.poll() if control is not None else ()
         for request in requests:
             self._requests_seen += 1
             self.emitter.emit(CONTROL_REQUEST, self.timestamp.as_tuple(),

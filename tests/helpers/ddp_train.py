@@ -82,7 +82,7 @@ def main() -> None:
         deadline = time.monotonic() + args.gate_timeout
         control = holder["trainer"].control
         # the server thread queues requests for the trainer's next poll(); read, not taken
-        while (len(control._inbox) < args.wait_requests
+        while (len(control.inbox) < args.wait_requests
                or (args.gate_file and not os.path.exists(args.gate_file))):
             if time.monotonic() > deadline:
                 raise TimeoutError("the gate was never opened")

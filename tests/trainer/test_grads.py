@@ -62,15 +62,15 @@ def train(tmp_path, data, make_opt=sgd, model=None, **kwargs) -> tuple[Trainer, 
     model = model or SometimesUnused()
     trainer = Trainer(model, data, f"{len(data)}ba", loss_fn=F.cross_entropy, optimizers=make_opt(model),
                       publish=False, run_dir=tmp_path / "run", seed=1, **kwargs)
-    seen = []  # (grad_norm the trainer computed, which parameters had a gradient)
-    original = trainer._grad_snapshot
+    seen = []  # (grad_norm the trainer published, which parameters had a gradient)
+    original = trainer.emitter.snapshot
 
-    def probe(loss):
-        snapshot = original(loss)
-        seen.append((snapshot["grad_norm"], [p.grad is not None for p in model.parameters()]))
-        return snapshot
+    def probe(topic, ts, data):
+        if topic == "after_train_batch":
+            seen.append((data["grad_norm"], [p.grad is not None for p in model.parameters()]))
+        return original(topic, ts, data)
 
-    trainer._grad_snapshot = probe
+    trainer.emitter.snapshot = probe
     trainer.emitter.wants = lambda topic: topic == "after_train_batch"
     trainer.fit()
     trainer.close()
