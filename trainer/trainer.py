@@ -474,10 +474,9 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def _grad_snapshot(self, loss: Any) -> dict[str, Any]:
-        """Global gradient L2 norm, computed on the device (no sync); per-parameter opt-in.
-        (_train_batch reads the contiguous buffer's norm itself, without this call.)"""
-        if self._grads is not None and not self.per_param_grad_norms:
-            return {"grad_norm": self._grads.norm(), "loss": loss}  # one op over the buffer
+        """Global gradient L2 norm from per-parameter norms, computed on the device (no
+        sync): without the contiguous buffer, or when per-parameter norms are asked for
+        (with the buffer and without them, _train_batch reads the buffer's one-op norm)."""
         # backward never builds a graph of the gradients here: they need no detach()
         names, grads = self._param_names, [p.grad for p in self._params]
         if any(g is None for g in grads):
