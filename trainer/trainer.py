@@ -446,7 +446,7 @@ class Trainer:
         if loss_fn is None:  # Composer's protocol: the model takes the batch, its loss() scores it
             inputs = micro
         else:  # an (input, target) pair; _pair names what else it got
-            inputs, targets = micro if isinstance(micro, (tuple, list)) and len(micro) == 2 else _pair(micro)
+            inputs, targets = _pair(micro)
         outputs = self.model(inputs)
         emit(E.AFTER_FORWARD, now, micro_data)
         emit(E.BEFORE_LOSS, now, micro_data)
@@ -530,12 +530,16 @@ class Trainer:
     def _poll_control(self) -> None:
         """Read control requests once per batch; all ranks agree on what to do."""
         control = self.control
-        if not (self._pending_halts or self._pending_ckpts or self._sigterm or self._agreement.active
+        if (self._pending_halts or self._pending_ckpts or self._sigterm or self._agreement.active
                 or (control is not None and control.inbox)):
-            # the usual batch: nothing asked or pending, and no other rank to agree with
+            self._ckpts_due = self._apply_requests(control)
+        else:  # the usual batch: nothing asked or pending, and no other rank to agree with
             self._ckpts_due = 0
-            self.emitter.release_due()
-            return
+        self.emitter.release_due()  # this batch's events, with the last ones if the interval has passed
+
+    def _apply_requests(self, control: ControlServer | None) -> int:
+        """Take what arrived, agree with the other ranks, apply a halt; the checkpoints
+        due at this batch's checkpoint event."""
         requests = control.poll() if control is not None else ()
         for request in requests:
             self._requests_seen += 1
@@ -563,8 +567,7 @@ class Trainer:
             self._pending_halts = []
             if self._sigterm and self.stopped_by is None:
                 self.stopped_by = {"reason": "SIGTERM", "client": "signal", "step": self.timestamp.batch}
-        self._ckpts_due = ckpts
-        self.emitter.release_due()  # this batch's events, with the last ones if the interval has passed
+        return ckpts
 
     def _save_requested(self, where: str) -> None:
         if not self._ckpts_due:
