@@ -445,8 +445,9 @@ class Trainer:
         emit, loss_fn = self.emitter.emit, self.loss_fn
         if loss_fn is None:  # Composer's protocol: the model takes the batch, its loss() scores it
             inputs = micro
-        else:  # an (input, target) pair; _pair names what else it got
-            inputs, targets = _pair(micro)
+        else:  # an (input, target) pair; _pair names what else it got (its first branch, inline:
+            # this runs every microbatch, and the call costs the step 0.3-0.5 % of its instructions, by callgrind)
+            inputs, targets = micro if isinstance(micro, (tuple, list)) and len(micro) == 2 else _pair(micro)
         outputs = self.model(inputs)
         emit(E.AFTER_FORWARD, now, micro_data)
         emit(E.BEFORE_LOSS, now, micro_data)
