@@ -27,20 +27,15 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import time
-from pathlib import Path
 
-# This file is named like the package it measures: keep its folder off the import path.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+import msgpack
+import numpy as np
+import torch
+import zmq
 
-import msgpack  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import zmq  # noqa: E402
-
-from bus import Publisher, Subscriber  # noqa: E402
-from bus.publisher import HOLD_AT_MOST  # noqa: E402  (held events a publisher sends at once)
+from offloop.bus import Publisher, Subscriber
+from offloop.bus.publisher import HOLD_AT_MOST  # held events a publisher sends at once
 
 STEP_EVENTS = 13  # events the trainer publishes per plain training step
 BURST_INTERVAL = 0.005  # the Trainer's default burst_interval

@@ -28,12 +28,8 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-# This folder holds bus.py, named like the package it measures: keep it off the import path.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
-
-from bus import Publisher, PublisherSilent, Subscriber  # noqa: E402
+from offloop.bus import Publisher, PublisherSilent, Subscriber
 
 CHUNK = 10_000  # events per timed chunk
 

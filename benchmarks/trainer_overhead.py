@@ -38,17 +38,12 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-# This folder holds bus.py, named like the `bus` package the trainer imports: keep the
-# folder off the import path (spawned worker processes inherit this sys.path).
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from trainer import Trainer  # noqa: E402
-from workers.callback import Callback  # noqa: E402
+from offloop.trainer import Trainer
+from offloop.workers.callback import Callback
 
 BATCH, SEED, LR = 32, 1234, 0.01
 HEAVY_SLEEP = 0.05  # seconds each heavy callback spends per batch_end

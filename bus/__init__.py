@@ -3,8 +3,8 @@
 `bus` imports neither `trainer` nor `workers`; both import it.
 """
 
-from bus.control import Ack, ControlClient, ControlRequest, ControlServer
-from bus.discovery import (
+from offloop.bus.control import Ack, ControlClient, ControlRequest, ControlServer
+from offloop.bus.discovery import (
     RunInfo,
     default_runs_root,
     find_run,
@@ -13,12 +13,12 @@ from bus.discovery import (
     read_run_info,
     write_run_info,
 )
-from bus.duration import DurationError, Time, TimeUnit
-from bus.errors import BusError, ControlTimeout, PublisherSilent, RunNotFound, WireError
-from bus.events import CHECKPOINT_SAVED, CONTROL_REQUEST, EVENT_TOPICS, RUN_TOPICS, Event
-from bus.publisher import DEFAULT_RETAINED, Publisher
-from bus.subscriber import JoinState, Subscriber
-from bus.wire import Limits, Message, TensorFrame
+from offloop.bus.duration import DurationError, Time, TimeUnit
+from offloop.bus.errors import BusError, ControlTimeout, PublisherSilent, RunNotFound, WireError
+from offloop.bus.events import CHECKPOINT_SAVED, CONTROL_REQUEST, EVENT_TOPICS, RUN_TOPICS, Event
+from offloop.bus.publisher import DEFAULT_RETAINED, Publisher
+from offloop.bus.subscriber import JoinState, Subscriber
+from offloop.bus.wire import Limits, Message, TensorFrame
 
 __all__ = [
     "Ack",

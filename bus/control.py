@@ -19,8 +19,8 @@ from typing import Any
 
 import zmq
 
-from bus.errors import ControlTimeout, WireError
-from bus.wire import (
+from offloop.bus.errors import ControlTimeout, WireError
+from offloop.bus.wire import (
     DEFAULT_LIMITS,
     Limits,
     decode_reply,

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bus.errors import RunNotFound
+from offloop.bus.errors import RunNotFound
 
 __all__ = [
     "RunInfo",
@@ -138,7 +138,7 @@ def list_runs(runs_root: str | os.PathLike | None = None) -> list[RunInfo]:
 def _ask_endpoint(endpoint: str, timeout: float, curve=None) -> RunInfo:
     import zmq
 
-    from bus.wire import WireError, decode_reply, encode_request
+    from offloop.bus.wire import WireError, decode_reply, encode_request
 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)

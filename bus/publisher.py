@@ -31,8 +31,8 @@ from typing import Any
 
 import zmq
 
-from bus.events import RUN_TOPICS, Event
-from bus.wire import (
+from offloop.bus.events import RUN_TOPICS, Event
+from offloop.bus.wire import (
     BURST_PREFIX,
     DEFAULT_LIMITS,
     HEARTBEAT_TOPIC,

@@ -18,8 +18,8 @@ from typing import Any, BinaryIO
 
 import msgpack
 
-from bus.errors import WireError
-from bus.wire import DEFAULT_LIMITS, Limits, Message, decode_event
+from offloop.bus.errors import WireError
+from offloop.bus.wire import DEFAULT_LIMITS, Limits, Message, decode_event
 
 __all__ = ["RecordingWriter", "read_recording", "RecordingHeader"]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
-from bus.errors import BusError
+from offloop.bus.errors import BusError
 
 __all__ = ["SecurityError", "ServerKeys", "ClientKeys", "generate_keys", "load_server_keys",
            "load_client_keys", "is_loopback", "check_exposure", "endpoint_keys", "client_keys_for"]

@@ -15,8 +15,8 @@ from typing import Any
 
 import zmq
 
-from bus.errors import PublisherSilent, WireError
-from bus.wire import (
+from offloop.bus.errors import PublisherSilent, WireError
+from offloop.bus.wire import (
     BURST_PREFIX,
     BURST_TOPIC,
     DEFAULT_LIMITS,

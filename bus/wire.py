@@ -55,7 +55,7 @@ from typing import Any
 import msgpack
 import ormsgpack
 
-from bus.errors import WireError
+from offloop.bus.errors import WireError
 
 __all__ = [
     "VERSION",

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("give the command to run after --")
 
-    from bus import BusError, find_run
+    from offloop.bus import BusError, find_run
 
     deadline = time.monotonic() + args.timeout
     print(f"await_run: waiting for run {args.run} to start", file=sys.stderr, flush=True)

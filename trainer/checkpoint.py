@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.errors import CheckpointError
+from offloop.trainer.errors import CheckpointError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state"]
 

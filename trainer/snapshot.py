@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bus import WireError
+from offloop.bus import WireError
 
 __all__ = ["Emitter"]
 

@@ -24,11 +24,11 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import ConfigError
+from offloop.trainer.errors import ConfigError
 
 __all__ = ["CallbackWorkers", "WORKER_ENTRY", "check_picklable"]
 
-WORKER_ENTRY = "workers.runtime:serve_trainer_callback"
+WORKER_ENTRY = "offloop.workers.runtime:serve_trainer_callback"
 log = logging.getLogger("offloop.trainer")
 
 

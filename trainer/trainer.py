@@ -31,7 +31,7 @@ import torch
 import zmq
 from torch import nn
 
-from bus import (
+from offloop.bus import (
     CHECKPOINT_SAVED,
     CONTROL_REQUEST,
     ControlServer,
@@ -43,15 +43,15 @@ from bus import (
     mark_finished,
     write_run_info,
 )
-from bus.duration import DurationError
-from bus.security import SecurityError, check_exposure, generate_keys, load_server_keys
-from trainer import distributed
-from trainer.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from trainer.errors import CheckpointError, ConfigError, TrainerError
-from trainer.grads import GradBuffer
-from trainer.snapshot import Emitter
-from trainer.supervisor import CallbackWorkers, check_picklable
-from trainer.timestamp import Timestamp
+from offloop.bus.duration import DurationError
+from offloop.bus.security import SecurityError, check_exposure, generate_keys, load_server_keys
+from offloop.trainer import distributed
+from offloop.trainer.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from offloop.trainer.errors import CheckpointError, ConfigError, TrainerError
+from offloop.trainer.grads import GradBuffer
+from offloop.trainer.snapshot import Emitter
+from offloop.trainer.supervisor import CallbackWorkers, check_picklable
+from offloop.trainer.timestamp import Timestamp
 
 __all__ = ["Trainer"]
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from bus import RUN_TOPICS, Event
+from offloop.bus import RUN_TOPICS, Event
 
 if TYPE_CHECKING:
-    from bus.control import Ack
-    from workers.logger import Logger
-    from workers.state import State
+    from offloop.bus.control import Ack
+    from offloop.workers.logger import Logger
+    from offloop.workers.state import State
 
 __all__ = ["Callback", "NotAttachedError"]
 

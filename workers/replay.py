@@ -10,10 +10,10 @@ import itertools
 import sys
 from pathlib import Path
 
-from bus import RunInfo
-from bus.control import Ack
-from bus.recording import read_recording
-from workers.runtime import Worker
+from offloop.bus import RunInfo
+from offloop.bus.control import Ack
+from offloop.bus.recording import read_recording
+from offloop.workers.runtime import Worker
 
 __all__ = ["replay", "ReplayControl"]
 

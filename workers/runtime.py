@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus import (
+from offloop.bus import (
     ControlClient,
     Event,
     PublisherSilent,
@@ -27,10 +27,10 @@ from bus import (
     Subscriber,
     find_run,
 )
-from bus.security import client_keys_for, endpoint_keys
-from workers.callback import Callback
-from workers.logger import Logger, LoggerDestination
-from workers.state import State
+from offloop.bus.security import client_keys_for, endpoint_keys
+from offloop.workers.callback import Callback
+from offloop.workers.logger import Logger, LoggerDestination
+from offloop.workers.state import State
 
 __all__ = ["Worker", "WorkerStats", "serve_trainer_callback", "StopTrainingError"]
 

@@ -49,7 +49,7 @@ def parse_spec(spec: str) -> tuple[str, list[Any], dict[str, Any]]:
 
 def resolve(name: str) -> type:
     """A built-in callback class by name, or any class by 'pkg.mod:Class'."""
-    from workers.callbacks import BUILTINS
+    from offloop.workers.callbacks import BUILTINS
 
     if ":" in name:
         module_name, _, attr = name.partition(":")
@@ -62,7 +62,7 @@ def resolve(name: str) -> type:
         except AttributeError:
             raise SpecError(f"module {module_name!r} has no {attr!r}") from None
     if name in BUILTINS:
-        import workers.callbacks as builtins
+        import offloop.workers.callbacks as builtins
 
         try:
             return getattr(builtins, name)

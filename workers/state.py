@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bus import Event, Message, Time
-from bus.duration import DurationError
-from bus.wire import TensorFrame
+from offloop.bus import Event, Message, Time
+from offloop.bus.duration import DurationError
+from offloop.bus.wire import TensorFrame
 
 __all__ = ["State", "Timestamp", "ReadOnlyStateError"]
 

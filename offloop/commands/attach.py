@@ -180,8 +180,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from bus import BusError, Subscriber, find_run
-    from bus.security import client_keys_for, endpoint_keys
+    from offloop.bus import BusError, Subscriber, find_run
+    from offloop.bus.security import client_keys_for, endpoint_keys
 
     try:
         info = find_run(args.run, args.runs_root, curve=endpoint_keys(args.run, args.keys, args.key_name))

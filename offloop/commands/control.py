@@ -47,8 +47,8 @@ def run_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _ask(args: argparse.Namespace, op: str, request_args: dict):
-    from bus import BusError, ControlClient, ControlTimeout, find_run
-    from bus.security import client_keys_for, endpoint_keys
+    from offloop.bus import BusError, ControlClient, ControlTimeout, find_run
+    from offloop.bus.security import client_keys_for, endpoint_keys
 
     try:
         info = find_run(args.run, args.runs_root, curve=endpoint_keys(args.run, args.keys, args.key_name))

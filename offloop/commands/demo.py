@@ -57,10 +57,10 @@ def run(args: argparse.Namespace) -> int:
     import torchmetrics
     from torch import nn
 
-    from bus import Time
-    from bus.duration import DurationError
-    from trainer import ConfigError, Trainer
-    from workers.callbacks import (
+    from offloop.bus import Time
+    from offloop.bus.duration import DurationError
+    from offloop.trainer import ConfigError, Trainer
+    from offloop.workers.callbacks import (
         CheckpointSaver,
         EarlyStopper,
         LogMetricsCallback,

@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bus.security import SecurityError, generate_keys
+    from offloop.bus.security import SecurityError, generate_keys
 
     try:
         paths = generate_keys(args.folder, args.client)

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from bus import default_runs_root, list_runs
+    from offloop.bus import default_runs_root, list_runs
 
     root = args.runs_root or default_runs_root()
     runs = list_runs(root)
@@ -72,8 +72,8 @@ def _live_progress(info, keys: str | None, key_name: str) -> dict | None:
     it cannot be had (a run with keys and no --keys, say)."""
     import zmq
 
-    from bus.security import SecurityError, client_keys_for
-    from bus.wire import decode_event, decode_reply, encode_request
+    from offloop.bus.security import SecurityError, client_keys_for
+    from offloop.bus.wire import decode_event, decode_reply, encode_request
 
     endpoint = info.endpoints.get("state")
     if not endpoint:

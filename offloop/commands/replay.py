@@ -18,10 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bus import WireError
-    from workers.logger import ConsoleLogger, JSONLLogger
-    from workers.replay import replay
-    from workers.spec import SpecError, callbacks_from
+    from offloop.bus import WireError
+    from offloop.workers.logger import ConsoleLogger, JSONLLogger
+    from offloop.workers.replay import replay
+    from offloop.workers.spec import SpecError, callbacks_from
 
     try:
         config, callbacks = callbacks_from(args.callbacks, args.config)

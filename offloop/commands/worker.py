@@ -46,11 +46,11 @@ def _nice(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.nice:  # first, while this is the only thread: every thread started later inherits it
         os.nice(args.nice)
-    from bus import BusError, find_run
-    from bus.security import endpoint_keys
-    from workers import Worker
-    from workers.logger import ConsoleLogger, JSONLLogger, TensorBoardLogger
-    from workers.spec import SpecError, callbacks_from
+    from offloop.bus import BusError, find_run
+    from offloop.bus.security import endpoint_keys
+    from offloop.workers import Worker
+    from offloop.workers.logger import ConsoleLogger, JSONLLogger, TensorBoardLogger
+    from offloop.workers.spec import SpecError, callbacks_from
 
     try:
         config, callbacks = callbacks_from(args.callbacks, args.config)

@@ -7,8 +7,8 @@ import time
 import pytest
 import zmq
 
-from bus import ControlClient, ControlServer, ControlTimeout
-from bus.wire import encode_request
+from offloop.bus import ControlClient, ControlServer, ControlTimeout
+from offloop.bus.wire import encode_request
 
 
 def test_lost_first_attempt_is_applied_exactly_once_and_a_duplicate_gets_the_same_ack(

@@ -8,8 +8,16 @@ import time
 
 import pytest
 
-from bus import Publisher, RunInfo, RunNotFound, find_run, list_runs, mark_finished, read_run_info
-from bus.discovery import write_run_info
+from offloop.bus import (
+    Publisher,
+    RunInfo,
+    RunNotFound,
+    find_run,
+    list_runs,
+    mark_finished,
+    read_run_info,
+)
+from offloop.bus.discovery import write_run_info
 
 
 def info(name="alpha", **kw):

@@ -12,8 +12,8 @@ import torch
 import zmq
 from helpers.wire_values import deepest_alone, nested
 
-from bus import Publisher, PublisherSilent, Subscriber, WireError
-from bus.wire import EventEncoder
+from offloop.bus import Publisher, PublisherSilent, Subscriber, WireError
+from offloop.bus.wire import EventEncoder
 
 
 def wait_until(predicate, timeout=5.0, what="condition"):

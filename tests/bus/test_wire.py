@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers.wire_values import deepest_alone, nested
 
-from bus.wire import (
+from offloop.bus.wire import (
     HEARTBEAT_TOPIC,
     VERSION,
     EventEncoder,

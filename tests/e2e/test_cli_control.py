@@ -81,7 +81,7 @@ def test_halt_of_unknown_or_dead_runs_fails_clearly(tmp_path, free_port):
     unknown = offloop("halt", "nope", "--runs-root", str(tmp_path))
     assert unknown.returncode == 1 and "no run 'nope'" in unknown.stderr
 
-    from bus import RunInfo, write_run_info
+    from offloop.bus import RunInfo, write_run_info
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -95,7 +95,7 @@ def test_halt_of_unknown_or_dead_runs_fails_clearly(tmp_path, free_port):
 
 
 def test_halt_that_gets_no_answer_times_out(tmp_path, free_port):
-    from bus import RunInfo, write_run_info
+    from offloop.bus import RunInfo, write_run_info
 
     # a live process (this one) whose run has a control endpoint nobody serves
     write_run_info(tmp_path / "mute", RunInfo("m", "mute", os.getpid(), time.time(),

@@ -18,9 +18,9 @@ from helpers.prometheus_server import Prometheus, free_port, scrape, scrape_conf
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
-from trainer import Trainer
-from workers import Callback, Worker
-from workers.callbacks import PrometheusExporter
+from offloop.trainer import Trainer
+from offloop.workers import Callback, Worker
+from offloop.workers.callbacks import PrometheusExporter
 
 DASHBOARD = ROOT / "deploy/grafana/dashboards/offloop.json"
 PROVISIONING = ROOT / "deploy/grafana/provisioning"

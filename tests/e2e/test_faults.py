@@ -16,8 +16,8 @@ from helpers.fault_callbacks import PidStepLog, StepList
 from helpers.sigterm_trainer import make as make_sigterm_trainer
 from torch.utils.data import DataLoader, Dataset
 
-from bus import ControlClient, Subscriber, find_run
-from trainer import Trainer
+from offloop.bus import ControlClient, Subscriber, find_run
+from offloop.trainer import Trainer
 
 F = torch.nn.functional
 

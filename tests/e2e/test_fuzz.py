@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
 
-import bus.control
-from bus import ControlClient, Publisher, Subscriber, WireError
-from bus.wire import (
+from offloop.bus import ControlClient, Publisher, Subscriber, WireError
+from offloop.bus import control as bus_control
+from offloop.bus.wire import (
     VERSION,
     EventEncoder,
     Message,
@@ -32,7 +32,7 @@ from bus.wire import (
     encode_heartbeat,
     encode_request,
 )
-from trainer import Trainer
+from offloop.trainer import Trainer
 
 EXAMPLES = 3000
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -254,13 +254,13 @@ def test_random_and_mutated_control_messages_are_counted_and_never_reach_the_tra
 def test_an_oversized_control_message_is_counted_and_refused_before_decoding(
         tmp_path, monkeypatch):
     decoded: list[int] = []
-    real_decode = bus.control.decode_request
+    real_decode = bus_control.decode_request
 
-    def counting_decode(frame, limits=bus.control.DEFAULT_LIMITS):
+    def counting_decode(frame, limits=bus_control.DEFAULT_LIMITS):
         decoded.append(len(frame))
         return real_decode(frame, limits)
 
-    monkeypatch.setattr(bus.control, "decode_request", counting_decode)
+    monkeypatch.setattr(bus_control, "decode_request", counting_decode)
     with training(tmp_path) as (trainer, polled):
         server = trainer.control
         limit = server.limits.max_body_bytes

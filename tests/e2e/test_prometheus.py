@@ -14,13 +14,13 @@ from helpers.prometheus_server import Prometheus, free_port, scrape, scrape_conf
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
-from bus import Message
-from trainer import Trainer
-from workers import Callback, Worker
-from workers.callbacks import PrometheusExporter
-from workers.callbacks.prometheus import METRICS
-from workers.logger import Logger
-from workers.state import State
+from offloop.bus import Message
+from offloop.trainer import Trainer
+from offloop.workers import Callback, Worker
+from offloop.workers.callbacks import PrometheusExporter
+from offloop.workers.callbacks.prometheus import METRICS
+from offloop.workers.logger import Logger
+from offloop.workers.state import State
 
 
 class _Feed:

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from bus import ControlClient, ControlTimeout, PublisherSilent, Subscriber, find_run
-from bus.security import generate_keys, load_client_keys
-from trainer import ConfigError, Trainer
+from offloop.bus import ControlClient, ControlTimeout, PublisherSilent, Subscriber, find_run
+from offloop.bus.security import generate_keys, load_client_keys
+from offloop.trainer import ConfigError, Trainer
 
 ROOT = Path(__file__).parent.parent.parent
 

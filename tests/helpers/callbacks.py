@@ -6,7 +6,7 @@ import json
 
 from helpers.probes import thread_nice_values
 
-from workers import Callback
+from offloop.workers import Callback
 
 
 class Recorder(Callback):

@@ -4,7 +4,7 @@ import json
 import sys
 import time
 
-from bus import ControlServer
+from offloop.bus import ControlServer
 
 port, bind_delay, poll_delay, run_for = int(sys.argv[1]), *map(float, sys.argv[2:5])
 time.sleep(bind_delay)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from trainer import Trainer, distributed
+from offloop.trainer import Trainer, distributed
 
 BATCH_SIZE = 4
 SAMPLES = 64  # 32 per rank: 8 batches per epoch on each of 2 ranks

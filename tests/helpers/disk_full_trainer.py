@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from trainer import Trainer
+from offloop.trainer import Trainer
 
 
 class WaitsForARequest(torch.utils.data.Dataset):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from workers import Callback
+from offloop.workers import Callback
 
 
 class PidStepLog(Callback):

@@ -3,7 +3,7 @@
 import json
 import os
 
-from workers import Callback
+from offloop.workers import Callback
 
 
 def thread_nice_values() -> list[int]:

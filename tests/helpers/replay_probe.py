@@ -2,7 +2,7 @@
 
 import json
 
-from workers import Callback
+from offloop.workers import Callback
 
 
 class CountAndHalt(Callback):

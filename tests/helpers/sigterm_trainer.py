@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from trainer import Trainer
+from offloop.trainer import Trainer
 
 
 class Held(torch.utils.data.Dataset):

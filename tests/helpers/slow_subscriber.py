@@ -4,7 +4,7 @@ import json
 import sys
 import time
 
-from bus import Subscriber
+from offloop.bus import Subscriber
 
 events, state, total, sleep = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 sub = Subscriber(events, state, topics=["batch_end"], rcvhwm=50, heartbeat_timeout=20)

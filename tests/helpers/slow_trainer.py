@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainer import Trainer
+from offloop.trainer import Trainer
 
 
 class Slow(torch.utils.data.Dataset):

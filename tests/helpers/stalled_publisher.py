@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from bus import Publisher
+from offloop.bus import Publisher
 
 
 def wait_for(path: Path, timeout: float) -> None:

@@ -4,7 +4,7 @@ import json
 import sys
 import time
 
-from bus import Publisher
+from offloop.bus import Publisher
 
 pub = Publisher("late-join-run", heartbeat_interval=0.2)
 endpoints = pub.start()

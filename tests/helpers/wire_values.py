@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bus import WireError
-from bus.wire import EventEncoder
+from offloop.bus import WireError
+from offloop.bus.wire import EventEncoder
 
 
 def nested(depth: int):

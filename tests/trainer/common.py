@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from bus import ControlClient
+from offloop.bus import ControlClient
 
 
 def mlp(seed: int = 0) -> nn.Module:

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import Trainer
-from trainer.errors import ConfigError
-from trainer.grads import GradBuffer
+from offloop.trainer import Trainer
+from offloop.trainer.errors import ConfigError
+from offloop.trainer.grads import GradBuffer
 
 F = torch.nn.functional
 STEPS = 12

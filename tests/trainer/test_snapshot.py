@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from bus import Publisher, Subscriber
-from trainer.snapshot import Emitter
+from offloop.bus import Publisher, Subscriber
+from offloop.trainer.snapshot import Emitter
 
 
 def test_tensors_nested_in_lists_travel_and_unencodable_snapshots_are_counted():

@@ -24,7 +24,7 @@ import torch
 from common import ask
 from helpers.ddp_train import weights_digest  # the digest the ranks print
 
-from bus import RunNotFound, Subscriber, find_run
+from offloop.bus import RunNotFound, Subscriber, find_run
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPER = ROOT / "tests" / "helpers" / "ddp_train.py"

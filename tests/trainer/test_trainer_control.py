@@ -10,8 +10,8 @@ import pytest
 import torch
 from common import GatedDataset, ask, data, loader, mlp
 
-from bus import Subscriber
-from trainer import Trainer
+from offloop.bus import Subscriber
+from offloop.trainer import Trainer
 
 F = torch.nn.functional
 

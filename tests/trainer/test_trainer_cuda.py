@@ -6,8 +6,8 @@ import pytest
 import torch
 from common import mlp
 
-from bus import Subscriber
-from trainer import Trainer
+from offloop.bus import Subscriber
+from offloop.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

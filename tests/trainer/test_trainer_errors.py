@@ -9,7 +9,7 @@ import torch
 from common import loader, mlp
 from torch import nn
 
-from trainer import CheckpointError, ConfigError, Trainer, TrainerError
+from offloop.trainer import CheckpointError, ConfigError, Trainer, TrainerError
 
 F = torch.nn.functional
 
@@ -87,7 +87,7 @@ def test_composer_protocol_model_trains_without_loss_fn(tmp_path):
 
 
 def test_a_missing_load_path_fails_before_any_socket_or_worker(tmp_path):
-    from workers import Callback
+    from offloop.workers import Callback
 
     started = time.monotonic()
     with pytest.raises(CheckpointError, match="does not exist"):
@@ -98,8 +98,8 @@ def test_a_missing_load_path_fails_before_any_socket_or_worker(tmp_path):
 
 
 def test_an_unreadable_checkpoint_ends_the_run_it_had_started(tmp_path):
-    from bus import find_run
-    from workers import Callback
+    from offloop.bus import find_run
+    from offloop.workers import Callback
 
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")

@@ -12,9 +12,9 @@ import torchmetrics
 from common import loader, mlp
 from helpers.callbacks import BatchCounter, Crasher, ExitOnSecondFit, LossProbe, NiceProbe, Recorder
 
-from bus import Subscriber
-from bus.wire import decode_burst
-from trainer import Trainer
+from offloop.bus import Subscriber
+from offloop.bus.wire import decode_burst
+from offloop.trainer import Trainer
 
 MICRO = ["before_forward", "after_forward", "before_loss", "after_loss", "before_backward",
          "after_backward"]

@@ -8,7 +8,7 @@ import math
 import torch
 from common import loader, mlp
 
-from trainer import Trainer
+from offloop.trainer import Trainer
 
 F = torch.nn.functional
 

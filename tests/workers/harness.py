@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainer import Trainer
-from workers import Worker
-from workers.logger import JSONLLogger, LoggerDestination
+from offloop.trainer import Trainer
+from offloop.workers import Worker
+from offloop.workers.logger import JSONLLogger, LoggerDestination
 
 
 def classifier(seed: int = 0) -> nn.Module:

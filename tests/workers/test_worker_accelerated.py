@@ -14,10 +14,10 @@ import torchmetrics
 from harness import MemoryLog, run_with_worker
 from torch.utils.data import DataLoader
 
-from trainer import Trainer
-from trainer.checkpoint import load_checkpoint
-from workers import State
-from workers.callbacks import (
+from offloop.trainer import Trainer
+from offloop.trainer.checkpoint import load_checkpoint
+from offloop.workers import State
+from offloop.workers.callbacks import (
     EarlyStoppingCallback,
     LogMetricsCallback,
     MoveModulesToDeviceCallback,
@@ -27,7 +27,7 @@ from workers.callbacks import (
     TerminateOnNaNCallback,
     TrainerCallback,
 )
-from workers.callbacks.accelerated import (
+from offloop.workers.callbacks.accelerated import (
     HOOKS,
     RUN_HISTORY_TOPICS,
     OutOfProcessError,
@@ -423,7 +423,7 @@ def test_reset_on_train_decides_whether_a_second_fit_remembers_the_best(
 
     from harness import Paced, dataset
 
-    from workers import Worker
+    from offloop.workers import Worker
 
     callback = bounded(EarlyStoppingCallback(watch_metric="ScriptedScore", early_stopping_patience=1,
                                              reset_on_train=reset_on_train))

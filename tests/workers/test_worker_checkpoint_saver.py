@@ -11,8 +11,8 @@ import pytest
 import torch
 from harness import MemoryLog, Paced, run_with_worker
 
-from bus import Event
-from workers.callbacks import CheckpointSaver
+from offloop.bus import Event
+from offloop.workers.callbacks import CheckpointSaver
 
 BATCHES = 8  # per epoch: the harness trains on 64 samples in batches of 8
 

@@ -13,9 +13,9 @@ from harness import MemoryLog, classifier, dataset, run_with_worker
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from trainer import Trainer
-from workers import Callback
-from workers.callbacks import ExportForInferenceCallback
+from offloop.trainer import Trainer
+from offloop.workers import Callback
+from offloop.workers.callbacks import ExportForInferenceCallback
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 

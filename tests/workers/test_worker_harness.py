@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from harness import MemoryLog, run_with_worker
 
-from workers import Callback
+from offloop.workers import Callback
 
 
 class EpochPrinter(Callback):

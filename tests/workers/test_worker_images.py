@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from workers.callbacks import ImageVisualizer
-from workers.callbacks.image_visualizer import _PALETTE
+from offloop.workers.callbacks import ImageVisualizer
+from offloop.workers.callbacks.image_visualizer import _PALETTE
 
 
 def read_png(path):

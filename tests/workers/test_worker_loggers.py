@@ -8,8 +8,8 @@ import json
 import pytest
 from harness import run_with_worker
 
-from workers import ConsoleLogger, JSONLLogger, TensorBoardLogger
-from workers.callbacks import LRMonitor
+from offloop.workers import ConsoleLogger, JSONLLogger, TensorBoardLogger
+from offloop.workers.callbacks import LRMonitor
 
 BATCHES_PER_EPOCH = 8  # the harness trains on 64 samples in batches of 8
 

@@ -12,8 +12,8 @@ from harness import MemoryLog, dataset, run_with_worker
 from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score, MulticlassPrecision
 
-from workers import Callback
-from workers.callbacks import ClassificationMetricsCallback
+from offloop.workers import Callback
+from offloop.workers.callbacks import ClassificationMetricsCallback
 
 
 class EvalRecorder(Callback):

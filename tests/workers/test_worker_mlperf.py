@@ -11,8 +11,8 @@ import pytest
 import torchmetrics
 from harness import MemoryLog, Paced, run_with_worker
 
-from workers import Callback
-from workers.callbacks import MLPerfCallback
+from offloop.workers import Callback
+from offloop.workers.callbacks import MLPerfCallback
 
 HEADER = ["init_start", "submission_benchmark", "submission_division", "submission_org",
           "submission_platform", "submission_status", "seed", "gradient_accumulation_steps",

@@ -16,9 +16,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from bus import Message, RunInfo
-from workers import Callback, Worker
-from workers.callbacks import (
+from offloop.bus import Message, RunInfo
+from offloop.workers import Callback, Worker
+from offloop.workers.callbacks import (
     GradMonitor,
     LRMonitor,
     MemoryMonitor,

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from harness import run_with_worker
 
-from bus.recording import RecordingWriter, read_recording
-from bus.wire import EventEncoder
-from workers import Callback
-from workers.callbacks import Recorder
-from workers.replay import replay
+from offloop.bus.recording import RecordingWriter, read_recording
+from offloop.bus.wire import EventEncoder
+from offloop.workers import Callback
+from offloop.workers.callbacks import Recorder
+from offloop.workers.replay import replay
 
 ROOT = Path(__file__).parent.parent.parent
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from harness import MemoryLog, run_with_worker
 
-from workers import Callback, ReadOnlyStateError, Worker
-from workers.spec import SpecError, build_callback, parse_spec
+from offloop.workers import Callback, ReadOnlyStateError, Worker
+from offloop.workers.spec import SpecError, build_callback, parse_spec
 
 ROOT = Path(__file__).parent.parent.parent
 TESTS = ROOT / "tests"
@@ -107,7 +107,7 @@ def test_worker_subscribes_only_to_what_its_callbacks_implement(tmp_path):
         def run_event(self, event, state, logger):
             pass
 
-    from bus import RunInfo
+    from offloop.bus import RunInfo
 
     info = RunInfo("x", "x", os.getpid(), 0.0, {"events": "tcp://127.0.0.1:1"})
     assert "epoch_start" in Worker(info, [EpochOnly()]).topics()

@@ -18,8 +18,8 @@ from harness import MemoryLog, Paced, dataset, run_with_worker
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from trainer import Trainer
-from workers.callbacks import EarlyStopper, ThresholdStopper
+from offloop.trainer import Trainer
+from offloop.workers.callbacks import EarlyStopper, ThresholdStopper
 
 BATCHES = 8  # per epoch: the harness trains on 64 samples in batches of 8
 

@@ -45,8 +45,8 @@ __all__ = sorted(BUILTINS)
 
 def __getattr__(name: str) -> Any:
     if name not in BUILTINS:
-        raise AttributeError(f"workers.callbacks has no callback {name!r}; built-ins: {', '.join(__all__)}")
-    module = importlib.import_module(f"workers.callbacks.{BUILTINS[name]}")
+        raise AttributeError(f"offloop.callbacks has no callback {name!r}; built-ins: {', '.join(__all__)}")
+    module = importlib.import_module(f"offloop.workers.callbacks.{BUILTINS[name]}")
     return getattr(module, name)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus import Time, TimeUnit
-from bus.duration import DurationError
+from offloop.bus import Time, TimeUnit
+from offloop.bus.duration import DurationError
 
 
 def batch_or_epoch_interval(owner: str, interval: Any) -> Time:

@@ -19,10 +19,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TextIO
 
-from bus import Event
-from bus.control import Ack
-from workers.callback import Callback
-from workers.runtime import StopTrainingError
+from offloop.bus import Event
+from offloop.bus.control import Ack
+from offloop.workers.callback import Callback
+from offloop.workers.runtime import StopTrainingError
 
 __all__ = [
     "TrainerCallback",

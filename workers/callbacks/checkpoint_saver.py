@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bus import Event, Time, TimeUnit
-from bus.duration import DurationError
-from workers.callback import Callback
-from workers.state import Timestamp
+from offloop.bus import Event, Time, TimeUnit
+from offloop.bus.duration import DurationError
+from offloop.workers.callback import Callback
+from offloop.workers.state import Timestamp
 
 __all__ = ["CheckpointSaver"]
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from workers.callback import Callback
+from offloop.workers.callback import Callback
 
 __all__ = ["ExportForInferenceCallback"]
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus import Time
-from workers.callback import Callback
-from workers.callbacks._intervals import batch_or_epoch_interval
+from offloop.bus import Time
+from offloop.workers.callback import Callback
+from offloop.workers.callbacks._intervals import batch_or_epoch_interval
 
 __all__ = ["OptimizerMonitor", "GradMonitor"]
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from bus import Time, TimeUnit
-from workers.callback import Callback
-from workers.callbacks._intervals import batch_or_epoch_interval
+from offloop.bus import Time, TimeUnit
+from offloop.workers.callback import Callback
+from offloop.workers.callbacks._intervals import batch_or_epoch_interval
 
 __all__ = ["ImageVisualizer", "write_png"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.callback import Callback
+from offloop.workers.callback import Callback
 
 __all__ = ["LRMonitor"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.callback import Callback
+from offloop.workers.callback import Callback
 
 __all__ = ["MemoryMonitor"]
 

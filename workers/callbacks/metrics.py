@@ -11,7 +11,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from workers.callback import Callback
+from offloop.workers.callback import Callback
 
 __all__ = ["ClassificationMetricsCallback"]
 

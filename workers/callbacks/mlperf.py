@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from workers.callback import Callback
-from workers.callbacks._halting import BackgroundHalt
+from offloop.workers.callback import Callback
+from offloop.workers.callbacks._halting import BackgroundHalt
 
 __all__ = ["MLPerfCallback", "get_system_description"]
 

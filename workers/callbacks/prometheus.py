@@ -13,8 +13,8 @@ import time
 from collections import deque
 from typing import Any
 
-from workers.callback import Callback
-from workers.callbacks.speed_monitor import gpu_flops_available
+from offloop.workers.callback import Callback
+from offloop.workers.callbacks.speed_monitor import gpu_flops_available
 
 __all__ = ["PrometheusExporter", "METRICS"]
 
@@ -405,7 +405,7 @@ def _find_worker():
     lives only in the worker's subscriber; every event method is called a few frames
     below Worker.dispatch.
     """
-    from workers.runtime import Worker
+    from offloop.workers.runtime import Worker
 
     frame = sys._getframe(1)
     for _ in range(10):

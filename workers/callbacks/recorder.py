@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bus.recording import RecordingWriter
-from bus.wire import event_frames
-from workers.callback import Callback
+from offloop.bus.recording import RecordingWriter
+from offloop.bus.wire import event_frames
+from offloop.workers.callback import Callback
 
 __all__ = ["Recorder"]
 

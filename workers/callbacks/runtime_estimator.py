@@ -8,9 +8,9 @@ average duration and observed frequency.
 
 from __future__ import annotations
 
-from bus import TimeUnit
-from workers.callback import Callback
-from workers.callbacks.speed_monitor import time_divider
+from offloop.bus import TimeUnit
+from offloop.workers.callback import Callback
+from offloop.workers.callbacks.speed_monitor import time_divider
 
 __all__ = ["RuntimeEstimator"]
 

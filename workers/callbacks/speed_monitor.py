@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from workers.callback import Callback
+from offloop.workers.callback import Callback
 
 __all__ = ["SpeedMonitor", "GPU_AVAILABLE_FLOPS", "TIME_UNITS"]
 

@@ -11,11 +11,11 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from bus import Time, TimeUnit
-from bus.duration import DurationError
-from workers.callback import Callback
-from workers.callbacks._halting import BackgroundHalt
-from workers.state import Timestamp
+from offloop.bus import Time, TimeUnit
+from offloop.bus.duration import DurationError
+from offloop.workers.callback import Callback
+from offloop.workers.callbacks._halting import BackgroundHalt
+from offloop.workers.state import Timestamp
 
 __all__ = ["ThresholdStopper", "EarlyStopper"]
 
