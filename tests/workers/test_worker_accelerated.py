@@ -286,6 +286,8 @@ def test_early_stopping_halts_at_the_reference_epoch(tmp_path, script, options, 
     assert callback.best_metric == pytest.approx(best)
     assert callback.early_stopping_patience_counter == options["early_stopping_patience"]
     assert_halted_at_ack(trainer, callback.halt_ack, stop_epoch * BATCHES, 10 * BATCHES)
+    # the built-ins' one halt records where it was asked for, as Composer's stoppers' does
+    assert callback.halted_at.batch == stop_epoch * BATCHES and callback.halt_error is None
 
 
 def test_early_stopping_watches_the_train_loss_with_no_eval_dataloader(tmp_path):
@@ -306,6 +308,7 @@ def test_early_stopping_at_the_final_evaluation_has_nothing_left_to_halt(tmp_pat
     assert callback.stopped_epoch == 2
     assert callback.halt_ack is not None and not callback.halt_ack.ok
     assert "last batch" in callback.halt_ack.error
+    assert callback.halt_error == callback.halt_ack.error
     assert trainer.stopped_by is None and trainer.timestamp.batch == 2 * BATCHES
 
 
@@ -348,7 +351,7 @@ def test_log_metrics_logs_train_then_eval_metrics_and_one_jsonl_line_per_step(tm
     assert [(step, set(m)) for step, m in log.metrics] == [
         (s * BATCHES, keys) for s in (1, 2, 3) for keys in ({"train_loss_epoch"}, eval_keys)
     ]
-    # a subclass's log_metrics gets the same metrics (callbacks of a worker share the history)
+    # a subclass's log_metrics gets the same metrics (each callback folds the same events)
     assert subclass.logged == log.metrics
     lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert [line["step"] for line in lines] == [8, 16, 24]
@@ -411,6 +414,10 @@ def test_the_trainer_view_is_read_only_and_says_what_a_worker_cannot_reach():
     with pytest.raises(AttributeError, match="cannot set trainer.model"):
         view.model = None
     assert view.run_config.is_world_process_zero and view.run_history.current_epoch == 1
+    with pytest.raises(AttributeError, match="run_config is read-only"):
+        view.run_config.num_epochs = 3
+    with pytest.raises(AttributeError, match="cannot set trainer.run_history"):
+        view.run_history = None
 
 
 @pytest.mark.parametrize("reset_on_train, stop_epoch, best", [

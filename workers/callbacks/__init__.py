@@ -25,14 +25,14 @@ BUILTINS: dict[str, str] = {
     "EarlyStopper": "stoppers",
     "ExportForInferenceCallback": "export",
     # pytorch-accelerated's callbacks
-    "TrainerCallback": "accelerated",
-    "TerminateOnNaNCallback": "accelerated",
-    "LogMetricsCallback": "accelerated",
-    "PrintProgressCallback": "accelerated",
-    "ProgressBarCallback": "accelerated",
-    "SaveBestModelCallback": "accelerated",
-    "EarlyStoppingCallback": "accelerated",
-    "MoveModulesToDeviceCallback": "accelerated",
+    "TrainerCallback": "accelerated.adapter",
+    "TerminateOnNaNCallback": "accelerated.terminate_on_nan",
+    "LogMetricsCallback": "accelerated.log_metrics",
+    "PrintProgressCallback": "accelerated.print_progress",
+    "ProgressBarCallback": "accelerated.progress_bar",
+    "SaveBestModelCallback": "accelerated.save_best_model",
+    "EarlyStoppingCallback": "accelerated.early_stopping",
+    "MoveModulesToDeviceCallback": "accelerated.move_modules_to_device",
     # metrics computed in the worker from published eval outputs
     "ClassificationMetricsCallback": "metrics",
     # offloop's own

@@ -1,33 +1,54 @@
-"""A halt asked for from a thread of its own, so the worker goes on handling events while
-the trainer answers; the answer is logged on the worker's thread once it has come."""
+"""One way a built-in callback halts the run: once per training run, never after the trainer's
+last batch, asked from a thread of its own (`_ask_halt`) or from the worker's (`_halt_now`)."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any
 
+from offloop.bus import Event
+from offloop.bus.control import Ack
+
+
+def past_last_batch(state) -> str | None:
+    """Why a halt asked for now would stop nothing, or None: the trainer applies requests at
+    its batch boundaries, and once its last batch has trained there is none left."""
+    if state.event is Event.FIT_END:
+        return "the run has ended: its last batch has trained, nothing is left to stop"
+    if state.max_duration is not None and state.max_duration.reached(state.timestamp):
+        return "the run reaches max_duration here, after its last batch: nothing is left to stop"
+    return None
+
 
 class BackgroundHalt:
     """Mixin for a Callback that halts the run once: `_ask_halt()` from an event method,
-    `_report()` from later ones, `wait()` and `_report(final=True)` at close()."""
+    `_report()` from later ones, `wait()` and `_report(final=True)` at close(); or
+    `_halt_now()`, which waits for the answer on the worker's thread and returns it."""
 
     #: how long close() waits for the trainer's answer to a halt still in flight
     close_timeout: float = 2.0
+
+    # read before _init_halt() runs too: pytorch-accelerated subclasses skip the base __init__
+    halted_at = None
+    halt_ack: Ack | None = None
+    halt_error: str | None = None
+    _sender: threading.Thread | None = None
+    _reported = False
 
     def _init_halt(self) -> None:
         #: the timestamp at which this callback asked for a halt, and the trainer's answer
         self.halted_at = None
         self.halt_ack = None
-        self.halt_error: str | None = None
-        self._sender: threading.Thread | None = None
+        self.halt_error = None
+        self._sender = None
         self._reported = False
 
     def _ask_halt(self, state, logger, reason: str) -> None:
         """Record the decision and send the halt from a thread (none when the run ends here
         anyway); raises NotAttachedError at once when no worker connects this callback."""
         self.halted_at = state.timestamp
-        if state.max_duration is not None and state.max_duration.reached(state.timestamp):
-            self.halt_error = "the run reaches max_duration here: nothing is left to stop"
+        self.halt_error = past_last_batch(state)
+        if self.halt_error is not None:
             logger.log_text(f"{reason}; training ends here anyway")
             return
         if self._control is None:
@@ -42,6 +63,19 @@ class BackgroundHalt:
             self.halt_ack = self.halt(reason)
         except Exception as exc:  # reported on the worker's thread by _report()
             self.halt_error = f"{type(exc).__name__}: {exc}"
+
+    def _halt_now(self, state, reason: str) -> Ack:
+        """The same request, waited for: a second one in the same training run returns the
+        first answer, and after the last batch the answer (not ok) comes without asking."""
+        if self.halt_ack is not None and self.halt_ack.ok:
+            return self.halt_ack
+        self.halted_at = state.timestamp
+        self.halt_error = past_last_batch(state)
+        if self.halt_error is not None:
+            self.halt_ack = Ack("", 0, "halt", False, {"step": state.timestamp.batch}, self.halt_error)
+        else:
+            self.halt_ack = super().halt(reason)  # Callback.halt: over the control channel
+        return self.halt_ack
 
     def wait(self, timeout: float) -> Any:
         """Wait up to `timeout` seconds for the trainer's answer; returns the ack or None."""
