@@ -22,7 +22,14 @@ from offloop.bus.errors import (
     RunNotFound,
     WireError,
 )
-from offloop.bus.events import CHECKPOINT_SAVED, CONTROL_REQUEST, EVENT_TOPICS, RUN_TOPICS, Event
+from offloop.bus.events import (
+    CHECKPOINT_SAVED,
+    CONTROL_REQUEST,
+    EVENT_TOPICS,
+    RUN_TOPICS,
+    Event,
+    Topic,
+)
 from offloop.bus.publisher import DEFAULT_RETAINED, Publisher
 from offloop.bus.subscriber import JoinState, Subscriber
 from offloop.bus.timestamp import Timestamp
@@ -55,6 +62,7 @@ __all__ = [
     "Time",
     "TimeUnit",
     "Timestamp",
+    "Topic",
     "WireError",
     "default_runs_root",
     "find_run",

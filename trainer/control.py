@@ -1,9 +1,6 @@
-"""The trainer's side of the control path: halt and checkpoint requests, SIGTERM, and the
-rank agreement. Promise: requests are read once per batch, every rank applies the same
-halt at the same batch and saves the same checkpoints, and every request is answered once.
-
-`Control` knows no Trainer: it is handed the control server, the rank agreement and the
-emitter's `emit`, and the loop calls it at its boundaries (docs/trainer.md#control).
+"""The trainer's side of the control path (halts, checkpoint requests, SIGTERM, the rank
+agreement), handed what it calls and knowing no Trainer. Promise: requests are read once
+per batch, every rank halts and saves at the same batch, and each request is answered once.
 """
 
 from __future__ import annotations

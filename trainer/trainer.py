@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offloop.bus import Event, Publisher, Time, Timestamp, TimeUnit
+from offloop.bus import Publisher, Time, Timestamp, TimeUnit, Topic
 from offloop.trainer import arguments, batches, checkpoint, distributed
 from offloop.trainer.control import Control
 from offloop.trainer.errors import CheckpointError, ConfigError, TrainerError
@@ -164,13 +164,13 @@ class Trainer:
         atexit.register(self.close)
         self.controller.install_sigterm(self.close)  # fit_end always; checkpoint_on_sigterm decides the checkpoint
         emit = self.emitter.emit
-        emit(Event.INIT, self.timestamp.as_tuple(), {"config": self.config()})
+        emit(Topic.INIT, self.timestamp.as_tuple(), {"config": self.config()})
         # as in Composer, both fire on every run, with a checkpoint to load or not
-        emit(Event.BEFORE_LOAD, self.timestamp.as_tuple())
+        emit(Topic.BEFORE_LOAD, self.timestamp.as_tuple())
         if load_path is not None:
             self.timestamp, self._epoch_rng = self._checkpointer.restore(load_path)
             self._resume_batches = self.timestamp.batch_in_epoch
-        emit(Event.AFTER_LOAD, self.timestamp.as_tuple(), {"path": str(load_path) if load_path is not None else None})
+        emit(Topic.AFTER_LOAD, self.timestamp.as_tuple(), {"path": str(load_path) if load_path is not None else None})
         self.emitter.release()
 
     def config(self) -> dict[str, Any]:
@@ -207,16 +207,16 @@ class Trainer:
 
     def _fit_loop(self) -> None:
         control, max_duration = self.controller, self.max_duration
-        self.emitter.emit(Event.FIT_START, self.timestamp.as_tuple(), {"config": self.config()})
+        self.emitter.emit(Topic.FIT_START, self.timestamp.as_tuple(), {"config": self.config()})
         self.model.train()
         self._readings.track(list(self.model.named_parameters()))
         self._grads, self._adopt_grads = None, self.contiguous_grads
         while not control.stop and not max_duration.reached(self.timestamp):
             ts = self.timestamp
             if ts.epoch_in_iteration == 0 and ts.batch_in_epoch == 0:
-                self.emitter.emit(Event.ITERATION_START, ts.as_tuple())
+                self.emitter.emit(Topic.ITERATION_START, ts.as_tuple())
             if ts.batch_in_epoch == 0:
-                self.emitter.emit(Event.EPOCH_START, ts.as_tuple())
+                self.emitter.emit(Topic.EPOCH_START, ts.as_tuple())
             finished_early = False
             for batch in self._epoch_batches():
                 self._train_batch(batch)
@@ -225,20 +225,20 @@ class Trainer:
                     break
             if not finished_early or self.timestamp.batch_in_epoch == batches.loader_len(self.train_dataloader):
                 self.timestamp = ts = self.timestamp.to_next_epoch()
-                self.emitter.emit(Event.EPOCH_END, ts.as_tuple())
+                self.emitter.emit(Topic.EPOCH_END, ts.as_tuple())
                 self._run_evaluators(TimeUnit.EPOCH)
-                self.emitter.emit(Event.EPOCH_CHECKPOINT, ts.as_tuple())
+                self.emitter.emit(Topic.EPOCH_CHECKPOINT, ts.as_tuple())
                 if self.iteration_length and ts.epoch_in_iteration == self.iteration_length:
                     self.timestamp = ts = ts.to_next_iteration()
-                    self.emitter.emit(Event.ITERATION_END, ts.as_tuple())
-                    self.emitter.emit(Event.ITERATION_CHECKPOINT, ts.as_tuple())
+                    self.emitter.emit(Topic.ITERATION_END, ts.as_tuple())
+                    self.emitter.emit(Topic.ITERATION_CHECKPOINT, ts.as_tuple())
 
     def _epoch_batches(self):
         """The epoch's batches; on resume, the batches already trained are skipped."""
         sampler = getattr(self.train_dataloader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.timestamp.epoch)
-        self.emitter.emit(Event.BEFORE_DATALOADER, self.timestamp.as_tuple())
+        self.emitter.emit(Topic.BEFORE_DATALOADER, self.timestamp.as_tuple())
         iterator, self._epoch_rng = checkpoint.epoch_iterator(self.train_dataloader, self._epoch_rng,
                                                               self._resume_batches)
         self._resume_batches = 0
@@ -247,9 +247,9 @@ class Trainer:
                 batch = next(iterator)
             except StopIteration:
                 return
-            self.emitter.emit(Event.AFTER_DATALOADER, self.timestamp.as_tuple())
+            self.emitter.emit(Topic.AFTER_DATALOADER, self.timestamp.as_tuple())
             yield batch
-            self.emitter.emit(Event.BEFORE_DATALOADER, self.timestamp.as_tuple())
+            self.emitter.emit(Topic.BEFORE_DATALOADER, self.timestamp.as_tuple())
 
     def _train_batch(self, batch: Any) -> None:
         """One optimizer step, every event of it in Composer's order."""
@@ -259,8 +259,8 @@ class Trainer:
             batch = batches.to_device(batch, self.device)
         size = batches.batch_size(batch)
         now = self.timestamp.as_tuple()
-        emit(Event.BATCH_START, now, {"batch_size": size})
-        emit(Event.BEFORE_TRAIN_BATCH, now, {"batch_size": size, "microbatches": self.grad_accum})
+        emit(Topic.BATCH_START, now, {"batch_size": size})
+        emit(Topic.BEFORE_TRAIN_BATCH, now, {"batch_size": size, "microbatches": self.grad_accum})
         grads = self._grads
         if grads is not None:
             grads.zero()
@@ -271,23 +271,23 @@ class Trainer:
         accum = self.grad_accum
         for i, micro in enumerate((batch,) if accum == 1 else batches.split(batch, accum)):
             micro_data = self._micro_data[i]
-            emit(Event.BEFORE_FORWARD, now, micro_data)
+            emit(Topic.BEFORE_FORWARD, now, micro_data)
             if self.precision == "fp32":
                 outputs, loss = self._forward_and_loss(micro, now, micro_data)
             else:
                 with arguments.autocast(self.precision, self._device_type):
                     outputs, loss = self._forward_and_loss(micro, now, micro_data)
-            if wants(Event.AFTER_LOSS):  # the microbatch's own loss, as Composer's state.loss here
+            if wants(Topic.AFTER_LOSS):  # the microbatch's own loss, as Composer's state.loss here
                 loss_out = host(loss)
-                snapshot(Event.AFTER_LOSS, now, {"microbatch": i, "loss": loss_out})
+                snapshot(Topic.AFTER_LOSS, now, {"microbatch": i, "loss": loss_out})
             if accum > 1:  # weighted by the microbatch's share, for backward and the total
                 loss = loss * (batches.batch_size(micro) / size)
                 total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
             else:  # the step's loss is this one: read for the snapshots below, if at all
                 total_loss = loss
-            emit(Event.BEFORE_BACKWARD, now, micro_data)
+            emit(Topic.BEFORE_BACKWARD, now, micro_data)
             (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
-            emit(Event.AFTER_BACKWARD, now, micro_data)
+            emit(Topic.AFTER_BACKWARD, now, micro_data)
         if grads is not None:
             if not grads.settle():  # a .grad was replaced: the buffer no longer holds them
                 self._grads = None
@@ -300,10 +300,10 @@ class Trainer:
         # the step's loss as snapshots hold it, read once (retained: batch_end is always
         # built when publishing); with one microbatch, after_loss has read it already
         if accum > 1 or loss_out is None:
-            loss_out = host(total_loss) if wants(Event.BATCH_END) or wants(Event.AFTER_TRAIN_BATCH) else None
-        if wants(Event.AFTER_TRAIN_BATCH):
+            loss_out = host(total_loss) if wants(Topic.BATCH_END) or wants(Topic.AFTER_TRAIN_BATCH) else None
+        if wants(Topic.AFTER_TRAIN_BATCH):
             grads = self._grads  # the buffer's global norm is one op: no call to readings.grads()
-            snapshot(Event.AFTER_TRAIN_BATCH, now, {"grad_norm": grads.norm(), "loss": loss_out}
+            snapshot(Topic.AFTER_TRAIN_BATCH, now, {"grad_norm": grads.norm(), "loss": loss_out}
                      if grads is not None and not self.per_param_grad_norms else self._readings.grads(loss_out))
         for opt in self.optimizers:
             if self._scaler is not None:
@@ -317,13 +317,13 @@ class Trainer:
         self.timestamp = ts = self.timestamp.to_next_batch(
             size, self.num_tokens_fn(batch) if self.num_tokens_fn else 0)
         now = ts.as_tuple()
-        if wants(Event.BATCH_END):
-            snapshot(Event.BATCH_END, now, self._readings.batch_end(loss_out, size, ts.batch, batch, micro, outputs))
+        if wants(Topic.BATCH_END):
+            snapshot(Topic.BATCH_END, now, self._readings.batch_end(loss_out, size, ts.batch, batch, micro, outputs))
         checkpoints_due = self.controller.poll(ts)  # a halt applied here stops the loop after this batch
         emitter.release_due()  # this batch's events, with the last ones if the interval has passed
         if self._eval_every_batch:
             self._run_evaluators(TimeUnit.BATCH)
-        emit(Event.BATCH_CHECKPOINT, now)
+        emit(Topic.BATCH_CHECKPOINT, now)
         if checkpoints_due:
             self._save_checkpoints("batch_checkpoint", self.controller.take_due())
         if emitter.cuda:
@@ -340,8 +340,8 @@ class Trainer:
             # step, docs/benchmarks.md)
             inputs, targets = micro if isinstance(micro, (tuple, list)) and len(micro) == 2 else batches.pair(micro)
         outputs = self.model(inputs)
-        emit(Event.AFTER_FORWARD, now, micro_data)
-        emit(Event.BEFORE_LOSS, now, micro_data)
+        emit(Topic.AFTER_FORWARD, now, micro_data)
+        emit(Topic.BEFORE_LOSS, now, micro_data)
         if loss_fn is None:
             return outputs, self._bare_model.loss(outputs, micro)
         return outputs, loss_fn(outputs, targets)
@@ -377,26 +377,26 @@ class Trainer:
         if not due:
             return
         ts = self.timestamp.as_tuple()
-        self.emitter.emit(Event.EVAL_BEFORE_ALL, ts)
+        self.emitter.emit(Topic.EVAL_BEFORE_ALL, ts)
         results = {label: self._evaluate(label, self.eval_dataloaders[label]) for label in due}
-        self.emitter.emit_tensors(Event.EVAL_AFTER_ALL, ts, {"metrics": results})
+        self.emitter.emit_tensors(Topic.EVAL_AFTER_ALL, ts, {"metrics": results})
         self.model.train()
 
     def _evaluate(self, label: str, loader: Iterable) -> dict[str, Any]:
         ts, emit = self.timestamp.as_tuple(), self.emitter.emit
         for metric in self.eval_metrics.values():
             metric.reset()
-        emit(Event.EVAL_START, ts, {"dataloader_label": label})
+        emit(Topic.EVAL_START, ts, {"dataloader_label": label})
         self.model.eval()
         loss_sum, count = None, 0
         with torch.no_grad():
             for batch in loader:
                 batch = batches.to_device(batch, self.device)
-                emit(Event.EVAL_BATCH_START, ts, {"dataloader_label": label})
-                emit(Event.EVAL_BEFORE_FORWARD, ts, {"dataloader_label": label})
+                emit(Topic.EVAL_BATCH_START, ts, {"dataloader_label": label})
+                emit(Topic.EVAL_BEFORE_FORWARD, ts, {"dataloader_label": label})
                 with arguments.autocast(self.precision, self._device_type):
                     outputs = batches.eval_forward(self.model, self._bare_model, self.loss_fn, batch)
-                emit(Event.EVAL_AFTER_FORWARD, ts, {"dataloader_label": label})
+                emit(Topic.EVAL_AFTER_FORWARD, ts, {"dataloader_label": label})
                 expected = batches.targets(self._bare_model, self.loss_fn, batch)
                 for metric in self.eval_metrics.values():
                     metric.update(outputs, expected)
@@ -410,12 +410,12 @@ class Trainer:
                     inputs = batches.pair(batch)[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
                     if isinstance(inputs, torch.Tensor):
                         data["inputs"] = inputs.detach()
-                self.emitter.emit_tensors(Event.EVAL_BATCH_END, ts, data)
+                self.emitter.emit_tensors(Topic.EVAL_BATCH_END, ts, data)
                 self.emitter.release_due()
         metrics = {name: metric.compute() for name, metric in self.eval_metrics.items()}
         if loss_sum is not None:
             metrics["loss"] = loss_sum / max(count, 1)
-        self.emitter.emit_tensors(Event.EVAL_END, ts, {"dataloader_label": label, "metrics": metrics})
+        self.emitter.emit_tensors(Topic.EVAL_END, ts, {"dataloader_label": label, "metrics": metrics})
         self.emitter.release()
         return metrics
 
@@ -426,9 +426,9 @@ class Trainer:
         if not loaders:
             raise ConfigError("eval() needs an eval_dataloader (here or in Trainer)")
         ts = self.timestamp.as_tuple()
-        self.emitter.emit(Event.EVAL_STANDALONE_START, ts)
+        self.emitter.emit(Topic.EVAL_STANDALONE_START, ts)
         results = {label: self._evaluate(label, loader) for label, loader in loaders.items()}
-        self.emitter.emit_tensors(Event.EVAL_STANDALONE_END, ts, {"metrics": results})
+        self.emitter.emit_tensors(Topic.EVAL_STANDALONE_END, ts, {"metrics": results})
         self.emitter.flush()
         return {label: {k: batches.scalar(v) for k, v in m.items()} for label, m in results.items()}
 
@@ -436,22 +436,22 @@ class Trainer:
         """Run the model over `dataloader`: PREDICT_START … PREDICT_END."""
         self._check_open("predict")
         ts, emit = self.timestamp.as_tuple(), self.emitter.emit
-        emit(Event.PREDICT_START, ts)
+        emit(Topic.PREDICT_START, ts)
         self.model.eval()
         outputs_all = []
         with torch.no_grad():
             for batch in dataloader:
                 batch = batches.to_device(batch, self.device)
-                emit(Event.PREDICT_BATCH_START, ts)
-                emit(Event.PREDICT_BEFORE_FORWARD, ts)
+                emit(Topic.PREDICT_BATCH_START, ts)
+                emit(Topic.PREDICT_BEFORE_FORWARD, ts)
                 inputs = batches.pair(batch)[0] if self.loss_fn is not None and isinstance(batch, (tuple, list)) else batch
                 outputs = self.model(inputs)
-                emit(Event.PREDICT_AFTER_FORWARD, ts)
-                emit(Event.PREDICT_BATCH_END, ts, {"batch_size": batches.batch_size(batch)})
+                emit(Topic.PREDICT_AFTER_FORWARD, ts)
+                emit(Topic.PREDICT_BATCH_END, ts, {"batch_size": batches.batch_size(batch)})
                 self.emitter.release_due()
                 if return_outputs:
                     outputs_all.append(outputs.detach().cpu() if isinstance(outputs, torch.Tensor) else outputs)
-        emit(Event.PREDICT_END, ts)
+        emit(Topic.PREDICT_END, ts)
         self.emitter.flush()
         return outputs_all
 
@@ -461,7 +461,7 @@ class Trainer:
         ts = self.timestamp
         self.controller.refuse_pending(ts)  # requests that arrived with the last batch
         self.workers.fits += 1  # its workers are stopped only once they have handled this one
-        self.emitter.emit(Event.FIT_END, ts.as_tuple(), {"stopped_by": self.stopped_by,
+        self.emitter.emit(Topic.FIT_END, ts.as_tuple(), {"stopped_by": self.stopped_by,
                                                          "checkpoints": self.checkpoints, "fit": self.workers.fits})
         self.emitter.flush()
         self.controller.fit_ended = True
