@@ -14,10 +14,25 @@ from offloop.bus.discovery import (
     write_run_info,
 )
 from offloop.bus.duration import DurationError, Time, TimeUnit
-from offloop.bus.errors import BusError, ControlTimeout, PublisherSilent, RunNotFound, WireError
-from offloop.bus.events import CHECKPOINT_SAVED, CONTROL_REQUEST, EVENT_TOPICS, RUN_TOPICS, Event
+from offloop.bus.errors import (
+    BusError,
+    ControlTimeout,
+    PublisherSilent,
+    ReadOnlyError,
+    RunNotFound,
+    WireError,
+)
+from offloop.bus.events import (
+    CHECKPOINT_SAVED,
+    CONTROL_REQUEST,
+    EVENT_TOPICS,
+    RUN_TOPICS,
+    Event,
+    Topic,
+)
 from offloop.bus.publisher import DEFAULT_RETAINED, Publisher
 from offloop.bus.subscriber import JoinState, Subscriber
+from offloop.bus.timestamp import Timestamp
 from offloop.bus.wire import Limits, Message, TensorFrame
 
 __all__ = [
@@ -39,12 +54,15 @@ __all__ = [
     "Publisher",
     "PublisherSilent",
     "RUN_TOPICS",
+    "ReadOnlyError",
     "RunInfo",
     "RunNotFound",
     "Subscriber",
     "TensorFrame",
     "Time",
     "TimeUnit",
+    "Timestamp",
+    "Topic",
     "WireError",
     "default_runs_root",
     "find_run",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BusError", "WireError", "RunNotFound", "ControlTimeout", "PublisherSilent"]
+__all__ = ["BusError", "WireError", "RunNotFound", "ControlTimeout", "PublisherSilent", "ReadOnlyError"]
 
 
 class BusError(Exception):
@@ -23,3 +23,7 @@ class ControlTimeout(BusError):
 
 class PublisherSilent(BusError):
     """No heartbeat from a publisher within the subscriber's timeout."""
+
+
+class ReadOnlyError(BusError, AttributeError):
+    """A change to a value the bus hands out read-only (a Timestamp, a worker's State)."""

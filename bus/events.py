@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["Event", "EVENT_TOPICS", "CHECKPOINT_SAVED", "CONTROL_REQUEST", "RUN_TOPICS"]
+__all__ = ["Event", "Topic", "EVENT_TOPICS", "CHECKPOINT_SAVED", "CONTROL_REQUEST", "RUN_TOPICS"]
 
 
 class Event(str, Enum):
@@ -74,6 +74,20 @@ class Event(str, Enum):
     def is_predict(self) -> bool:
         return self.value.startswith("predict_")
 
+
+class Topic:
+    """Each Event's topic as a plain str, by the Event's name (`Topic.BATCH_END ==
+    Event.BATCH_END.value`), made from Event below: what a hot loop hands `publish()`.
+    On Python 3.11 reading `Event.X` goes through EnumType's `__getattr__` hook, and a
+    dict lookup with a member compares where a str matches at once: a step's events cost
+    measurably more that way (docs/benchmarks.md, "One trainer, one timestamp type")."""
+
+    __slots__ = ()
+
+
+for _event in Event:
+    setattr(Topic, _event.name, _event.value)
+del _event
 
 #: Published by the trainer when it has written a checkpoint (not a Composer event).
 CHECKPOINT_SAVED = "checkpoint_saved"

@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
+from collections.abc import Callable
 from itertools import repeat, starmap
 from typing import Any
 
@@ -112,9 +113,10 @@ class Publisher:
         for topic in retained:
             _check_topic(topic)
         self._retained = frozenset(retained)
-        # topics encoded when published: changed in place (additions before removals), so
-        # `wants` is the set's own C `__contains__`, a call that costs no Python frame
-        self._wanted: set[str] = set(self._retained)
+        # topics encoded when published, each mapped to itself: publish() looks an Event
+        # member up and gets the plain str the wire carries. Changed in place (additions
+        # before removals), so `wants` is the dict's own C `__contains__`: no Python frame
+        self._wanted: dict[str, str] = {topic: topic for topic in self._retained}
         self.wants = self._wanted.__contains__
         # orders _opens() (publishing thread, a topic's first publish) with the service
         # thread's update of _wanted/_single: neither may undo the other's half
@@ -233,14 +235,19 @@ class Publisher:
 
     # ------------------------------------------------------------- hot path
 
-    #: wants(topic): whether `publish(topic, ...)` would serialize it (a subscriber wants
-    #: it or it is retained); an instance attribute, bound in __init__.
-    wants: Any
+    #: wants(topic) -> bool: whether `publish(topic, ...)` would serialize it now (a
+    #: subscriber wants it or it is retained); `topic` a str or an Event. The public way
+    #: to skip building an event nobody wants; bound in __init__ to a C method, so a
+    #: call costs no Python frame.
+    wants: Callable[[str], bool]
 
-    def publish(self, topic: str, ts, data: dict | None = None) -> bool:
+    def publish(self, topic: str | Event, ts: tuple, data: dict | None = None) -> bool:
         """Send one event; False when skipped (nobody wants it) or dropped (queue full).
 
-        `ts` is (epoch, batch, batch_in_epoch, sample, token). `data` and `ts` are kept
+        `topic` is a str or an Event (sent as its value). `ts` is (epoch, batch,
+        batch_in_epoch, sample, token), usually `Timestamp.as_tuple()`: consecutive held
+        events whose ts is the very same object (a Timestamp gives one tuple object for
+        its whole life) share it, packed once in their burst. `data` and `ts` are kept
         as they are, not copied, until the event is encoded (when it is sent, or asked
         for by a late joiner): do not modify them afterwards; tensors in `data` must be
         on the CPU (their bytes are sent without a copy). Raises WireError for a topic
@@ -253,11 +260,15 @@ class Publisher:
         test, a clock read and an append; numbering and encoding happen at release().
         Held events are published from one thread at a time (the loop's).
         """
-        if topic not in self._wanted and not (self._open_prefixes and self._opens(topic)):
-            return False
+        name = self._wanted.get(topic)
+        if name is None:
+            name = self._opens(topic) if self._open_prefixes else None
+            if name is None:
+                return False
+        topic = name
         if self._holding:
             held = self._held
-            if ts is self._held_ts:  # the step's events share one ts: it is packed once
+            if ts is self._held_ts:  # the same Timestamp's tuple as the entry before: packed once
                 held.append((topic, time.time(), data))
             else:
                 self._held_ts = ts
@@ -318,19 +329,20 @@ class Publisher:
             return False
         return True
 
-    def _opens(self, topic: str) -> bool:
-        """A topic outside RUN_TOPICS that an open prefix selects: wanted from now on.
-        Raises WireError for a reserved or malformed topic (nothing else checks them:
-        every topic in `_wanted` has been checked once)."""
+    def _opens(self, topic: str) -> str | None:
+        """A topic outside RUN_TOPICS that an open prefix selects: wanted from now on; the
+        plain str it is published under, or None. Raises WireError for a reserved or
+        malformed topic (nothing else checks them: every topic in `_wanted` has been checked once)."""
         if not self._open_prefixes or not topic.startswith(self._open_prefixes):
-            return False
+            return None
         _check_topic(topic)
+        topic = str.__str__(topic)  # an Event or other str subclass: its plain value
         with self._wanted_lock:
             self._seen_topics.add(topic)
             if self._single_prefixes and topic.startswith(self._single_prefixes):
                 self._single = self._single | {topic}
-            self._wanted.add(topic)  # last: where it goes is known before it is wanted
-        return True
+            self._wanted[topic] = topic  # last: where it goes is known before it is wanted
+        return topic
 
     def hold(self, interval: float = 0.0) -> None:
         """From now on, publish() keeps each event and numbers, encodes and sends it only
@@ -501,9 +513,10 @@ class Publisher:
             self._single, self._single_prefixes = frozenset(single), prefixes
             self._burst = burst
             self._open_prefixes = ("",) if burst else prefixes
-            current = self._wanted  # in place, each step one C call: no topic still wanted goes missing
-            current |= wanted
-            current -= current - wanted
+            current = self._wanted  # in place, additions first: no topic still wanted goes missing
+            current.update(zip(wanted, wanted, strict=True))
+            for topic in current.keys() - wanted:
+                del current[topic]
 
     def _answer(self, router: zmq.Socket, heartbeat: zmq.Socket) -> None:
         while router.poll(0):

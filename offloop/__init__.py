@@ -24,7 +24,7 @@ _EXPORTS: dict[str, str] = {
     "Logger": "offloop.workers",
     "Time": "offloop.bus",
     "TimeUnit": "offloop.bus",
-    "Timestamp": "offloop.trainer",
+    "Timestamp": "offloop.bus",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,4 +1,4 @@
-"""Checkpoints: written atomically (temporary file, fsync, rename), read with weights_only.
+"""Checkpoints: named, written atomically (temporary file, fsync, rename), read with weights_only.
 
 A checkpoint holds everything `load_path=` needs to resume exactly: model, optimizers,
 schedulers, timestamp, RNG states, and the dataloader position (the RNG state the
@@ -10,15 +10,20 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from offloop.bus import ControlRequest, Timestamp
 from offloop.trainer.errors import CheckpointError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state"]
+__all__ = ["save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state", "seed_everything", "FORMAT",
+           "Parts", "Checkpointer", "epoch_iterator", "requested_name", "check_filename"]
+
+FORMAT = "offloop-checkpoint-1"
 
 
 def rng_state() -> dict[str, Any]:
@@ -33,6 +38,12 @@ def rng_state() -> dict[str, Any]:
     }
 
 
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") and torch.cuda.is_available():
@@ -41,6 +52,22 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(values), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def epoch_iterator(loader: Iterable, epoch_rng: dict | None, skip: int) -> tuple[Iterator, dict[str, Any]]:
+    """An iterator over this epoch of `loader`, and the RNG state its order was drawn from.
+    Resuming (`skip` batches of the epoch done), the order is drawn again from the saved
+    `epoch_rng` and the done batches are skipped; the other RNGs go on as they were."""
+    resume_rng = rng_state() if skip and epoch_rng is not None else None
+    if resume_rng is not None:
+        set_rng_state(epoch_rng)
+    drawn_from = rng_state()
+    iterator = iter(loader)
+    for _ in range(skip):
+        next(iterator)
+    if resume_rng is not None:
+        set_rng_state(resume_rng)
+    return iterator, drawn_from
 
 
 def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
@@ -85,3 +112,92 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"load_path {str(path)!r} is not a readable offloop checkpoint: {exc}") from None
+
+
+# ------------------------------------------------------------- the trainer's checkpoints
+
+
+class Parts:
+    """What a checkpoint saves and restores of a training run (the model unwrapped from DDP)."""
+
+    def __init__(self, model: torch.nn.Module, optimizers: list, schedulers: list, scaler: Any) -> None:
+        self.model, self.optimizers, self.schedulers, self.scaler = model, optimizers, schedulers, scaler
+
+
+class Checkpointer:
+    """Writes the run's checkpoints into `folder` (rank 0 writes; every rank takes part)
+    and restores one; `written` lists every file written, in order."""
+
+    def __init__(self, parts: Parts, agreement, folder: Path, *, rank: int, seed: int, run_name: str) -> None:
+        self.parts, self.agreement, self.folder = parts, agreement, folder
+        self.rank, self.seed, self.run_name = rank, seed, run_name
+        self.written: list[str] = []
+
+    def write(self, ts: Timestamp, epoch_rng: dict | None, tag: str, filename: str | None) -> tuple[Path, str]:
+        """The file written and the tag rank 0 gave it (under torchrun the other ranks
+        hold no request and learn the name and tag from rank 0)."""
+        name = filename or f"ep{ts.epoch}-ba{ts.batch}" + (f"-{tag}" if tag else "") + ".pt"
+        # one collective on every rank (never inside `if rank == 0`); rank 0's name wins, and
+        # every rank judges it after the gather, so all refuse a bad one alike
+        states = self.agreement.gather((name, tag, rng_state(), epoch_rng))
+        name, tag = states[0][0], states[0][1]
+        check_filename(name)
+        path = self.folder / name
+        if self.rank == 0:
+            parts = self.parts
+            save_checkpoint(path, {
+                "format": FORMAT,
+                "model": parts.model.state_dict(),
+                "optimizers": [o.state_dict() for o in parts.optimizers],
+                "schedulers": [s.state_dict() for s in parts.schedulers],
+                "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+                "timestamp": ts.state_dict(),
+                "rng": [rng for _, _, rng, _ in states],  # every rank's, by rank
+                "epoch_rng": [epoch_rng for *_, epoch_rng in states],
+                "seed": self.seed,
+                "run_name": self.run_name,
+            })
+            self.written.append(str(path))
+        return path, tag
+
+    def restore(self, path: str | os.PathLike) -> tuple[Timestamp, dict | None]:
+        """Load a checkpoint into the parts and this rank's RNGs; its Timestamp and the
+        RNG state its epoch's data order was drawn from."""
+        parts, state = self.parts, load_checkpoint(path)
+        if state.get("format") != FORMAT:
+            raise CheckpointError(f"load_path {str(path)!r} is not an offloop checkpoint")
+        parts.model.load_state_dict(state["model"])
+        if len(state["optimizers"]) != len(parts.optimizers):
+            raise CheckpointError(f"checkpoint has {len(state['optimizers'])} optimizers, "
+                                  f"this trainer {len(parts.optimizers)}")
+        for opt, opt_state in zip(parts.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(opt_state)
+        for sched, sched_state in zip(parts.schedulers, state["schedulers"], strict=False):
+            sched.load_state_dict(sched_state)
+        if parts.scaler is not None and state.get("scaler"):
+            parts.scaler.load_state_dict(state["scaler"])
+        rank = min(self.rank, len(state["rng"]) - 1)
+        set_rng_state(state["rng"][rank])
+        return Timestamp.from_state_dict(state["timestamp"]), state["epoch_rng"][rank]
+
+
+def requested_name(requests: Sequence[ControlRequest]) -> tuple[str, str | None]:
+    """(tag, file name) for the checkpoint that answers `requests` together: their tags
+    joined, the first file name asked for. With no request (a SIGTERM asked, or under
+    torchrun rank 0 holds the requests) the tag is 'sigterm'; rank 0's name is used."""
+    tags = [safe_name(str(r.args.get("tag", ""))) for r in requests] or ["sigterm"]
+    filename = next((str(r.args["filename"]) for r in requests if r.args.get("filename")), None)
+    return "-".join(t for t in tags if t), filename
+
+
+def safe_name(text: str) -> str:
+    """A tag or file name reduced to characters that cannot leave the checkpoint folder."""
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "_" for c in text)[:100]
+    return cleaned.lstrip(".")
+
+
+def check_filename(name: Any) -> None:
+    """A checkpoint file name must stay in the save folder: letters, digits, '.', '-', '_'."""
+    if name is not None and (not isinstance(name, str) or not name or safe_name(name) != name):
+        raise CheckpointError(f"checkpoint filename {name!r} must be a plain file name "
+                              "(letters, digits, '.', '-', '_')")

@@ -8,6 +8,13 @@ __all__ = ["TrainerError", "ConfigError", "CheckpointError"]
 class TrainerError(Exception):
     """Base of every error the trainer raises on purpose."""
 
+    @classmethod
+    def closed(cls, what: str) -> TrainerError:
+        """fit(), eval() or predict() after close(): it would run unseen by every callback."""
+        return cls(f"{what}() on a closed Trainer: close() ended its event stream, control "
+                   "channel and callback workers; build a new Trainer (load_path= resumes "
+                   "from a checkpoint)")
+
 
 class ConfigError(TrainerError, ValueError):
     """A bad argument to Trainer: names the argument, the value, and what would be valid."""

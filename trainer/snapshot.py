@@ -1,30 +1,17 @@
-"""Publishing snapshots from the training thread without host-device synchronisation.
-
-Events are held by the publisher and leave in bursts: at each batch's control poll
-(and after each eval and predict batch) the trainer sends what is held if the last
-burst left at least `burst_interval` ago (5 ms by default), and it sends at once
-wherever it may pause (eval end, a checkpoint, fit end). Each burst wakes the
-publisher's proxy, which costs the training thread a cross-CPU signal (about 14 µs on
-a virtual machine): a step slower than the interval sends its own events at its end;
-faster steps share one wake-up.
-
-On the CPU a snapshot is published at once (0-d tensors become floats; on the CPU
-that is no sync). On CUDA, tensors are copied into pinned host memory with
-`non_blocking=True`, a CUDA event is recorded behind the copies, and the snapshot is
-published once `event.query()` says the copies are done; snapshots leave in the
-order they were made, so the stream stays FIFO. Nothing here calls `.item()`,
-`.cpu()` or `float()` on a CUDA tensor.
-"""
+"""The Emitter: the training thread's way to publish snapshots, in bursts (docs/trainer.md).
+Promise: it never synchronises the GPU (CUDA tensors reach the host through pinned,
+non-blocking copies) and snapshots leave in the order they were made."""
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from offloop.bus import WireError
+from offloop.bus import Publisher, WireError
 
 __all__ = ["Emitter"]
 
@@ -32,22 +19,40 @@ log = logging.getLogger("offloop.trainer")
 
 
 class Emitter:
-    """The trainer's one way to publish: `emit(topic, ts, data)`."""
+    """The trainer's one way to publish.
 
-    def __init__(self, publisher, device: torch.device, burst_interval: float = 0.0) -> None:
+    `emit(topic, ts, data=None)` publishes plain values (no tensors); `snapshot(topic, ts,
+    data)` publishes values built with `host()`; `release_due()` sends what is held once
+    the burst interval has passed. These three are callables chosen once, here, not
+    methods: where nothing can be staged ahead of an event (the CPU) `emit` and `snapshot`
+    are the publisher's own `publish()`, and `release_due` its own, so an event nobody
+    wants costs the loop one C lookup and no frame of ours (docs/benchmarks.md, "One
+    trainer, one timestamp type"); on CUDA they keep the stream in order behind snapshots
+    still copying off the GPU; with no publisher they do nothing.
+    """
+
+    emit: Callable[..., Any]
+    snapshot: Callable[..., Any]
+    release_due: Callable[[], Any]
+
+    def __init__(self, publisher: Publisher | None, device: torch.device, burst_interval: float = 0.0) -> None:
         self.publisher = publisher
         self.cuda = device.type == "cuda"
         self._waiting: deque[tuple[str, tuple, dict, Any]] = deque()
         self.wants = publisher.wants if publisher is not None else frozenset().__contains__
         self._refused = 0  # publish() raised (a reserved topic, or nothing held)
-        if publisher is not None:
-            publisher.hold(burst_interval)
-            if not self.cuda:
-                # Nothing is ever staged on the CPU: emit() is the publisher's own publish(),
-                # which skips a topic nobody wants. Holding, it never raises for the trainer's
-                # topics: a value the wire cannot carry is counted when the burst is encoded.
-                self.emit = self.snapshot = publisher.publish
-        self.release_due = publisher.release_due if publisher is not None else _nothing
+        if publisher is None:
+            self.emit = self.snapshot = _nothing
+            self.release_due = _nothing
+            return
+        publisher.hold(burst_interval)
+        self.release_due = publisher.release_due
+        if self.cuda:
+            self.emit, self.snapshot = self._emit_in_order, self.emit_tensors
+        else:
+            # holding, publish() never raises for the trainer's topics: a value the wire
+            # cannot carry is counted when the burst is encoded
+            self.emit = self.snapshot = publisher.publish
 
     @property
     def unencodable(self) -> int:
@@ -61,22 +66,15 @@ class Emitter:
         if self.publisher is not None:
             self.publisher.release()
 
-    def emit(self, topic: str, ts: tuple, data: dict | None = None) -> None:
-        """Publish a snapshot of plain values (no tensors): the hot path, kept to one
-        membership test when nobody wants the topic."""
-        publisher = self.publisher
-        if publisher is None or topic not in publisher._wanted:
+    def _emit_in_order(self, topic: str, ts: tuple, data: dict | None = None) -> None:
+        """`emit` on CUDA: plain values, published behind any snapshot still staged."""
+        if not self.wants(topic):
             return
         if self._waiting:
             self._waiting.append((topic, ts, data or {}, None))  # behind staged snapshots
             self.poll()
         else:
             self._publish(topic, ts, data)
-
-    def snapshot(self, topic: str, ts: tuple, data: dict) -> None:
-        """Publish a snapshot the trainer built with `host()`: host numbers on the CPU
-        (published as they are), device tensors on CUDA (staged, as emit_tensors)."""
-        self.emit_tensors(topic, ts, data)
 
     def host(self, tensor: torch.Tensor) -> Any:
         """What a snapshot holds for a tensor: on the CPU a number now (a 0-d tensor; no
@@ -100,8 +98,7 @@ class Emitter:
     def emit_tensors(self, topic: str, ts: tuple, data: dict) -> None:
         """Publish a snapshot holding tensors: now on the CPU (0-d ones as numbers), or
         once its tensors have left the GPU."""
-        publisher = self.publisher
-        if publisher is None or topic not in publisher._wanted:
+        if not self.wants(topic):
             return
         if self.cuda:
             self._emit_staged(topic, ts, data)
@@ -141,7 +138,7 @@ class Emitter:
         self.release()
 
 
-def _nothing() -> None:
+def _nothing(*args: Any) -> None:
     pass
 
 

@@ -7,46 +7,21 @@ callbacks written for Composer read it unchanged. Assigning to it raises.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from offloop.bus import Event, Message, Time
+from offloop.bus import Event, Message, ReadOnlyError, Time, Timestamp
 from offloop.bus.duration import DurationError
 from offloop.bus.wire import TensorFrame
 
 __all__ = ["State", "Timestamp", "ReadOnlyStateError"]
 
 
-class ReadOnlyStateError(AttributeError):
-    """A callback tried to change the State."""
+class ReadOnlyStateError(ReadOnlyError):
+    """A callback tried to change the State (its Timestamp raises the base, ReadOnlyError)."""
 
 
 _READ_ONLY = ("State is read-only: workers observe the run. To change it, ask the trainer "
               "with self.halt(reason) or self.request_checkpoint(tag) from your callback.")
-
-
-@dataclass(frozen=True)
-class Timestamp:
-    """The five counters every event carries; ints, so f'{state.timestamp.epoch}' prints 3."""
-
-    epoch: int = 0
-    batch: int = 0
-    batch_in_epoch: int = 0
-    sample: int = 0
-    token: int = 0
-
-    def get(self, unit) -> int:
-        """The counter for a TimeUnit ('ep', 'ba', 'sp', 'tok')."""
-        return getattr(self, unit.counter)
-
-
-def _timestamp_is_read_only(self, name: str, value: Any = None) -> None:
-    raise ReadOnlyStateError(f"cannot set state.timestamp.{name}: {_READ_ONLY}")
-
-
-# after @dataclass, which refuses a __setattr__ defined in a frozen class's body
-Timestamp.__setattr__ = _timestamp_is_read_only
-Timestamp.__delattr__ = _timestamp_is_read_only
 
 
 class FrozenDict(dict):

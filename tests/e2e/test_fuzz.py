@@ -181,7 +181,7 @@ def training(tmp_path):
     try:
         wait_until(lambda: trainer.timestamp.batch >= 5, 60, "training to start")
         yield trainer, polled
-        assert not trainer._stop and trainer.stopped_by is None and not trainer.checkpoints
+        assert not trainer.controller.stop and trainer.stopped_by is None and not trainer.checkpoints
         # the server thread is alive and a valid request is applied and acknowledged
         at = trainer.timestamp.batch
         with ControlClient(trainer.control.endpoint) as client:
@@ -192,7 +192,7 @@ def training(tmp_path):
         assert [(r.op, r.args) for r in polled] == [("halt", {"reason": "valid, after the fuzz"})]
     finally:
         if fit.is_alive():
-            trainer._stop = True
+            trainer.controller.stop = True
             fit.join(30)
         trainer.close()
 
@@ -286,7 +286,7 @@ def test_an_oversized_control_message_is_counted_and_refused_before_decoding(
         dealer.send(b"\xc1" * (4 * limit + 1))
         assert events.poll(30_000) and _event(events) == zmq.EVENT_DISCONNECTED
         assert server.stats.oversized == 1 and server.stats.malformed == 1 and decoded == [limit]
-        assert polled == [] and not trainer._stop
+        assert polled == [] and not trainer.controller.stop
         dealer.disable_monitor()
         events.close(linger=0)
         dealer.close()

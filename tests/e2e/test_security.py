@@ -91,7 +91,7 @@ def test_only_authorised_keys_reach_a_trainer_with_keys(tmp_path, caplog):
         with pytest.raises(ControlTimeout):  # no keys at all: no handshake, nothing gets through
             ControlClient(info.endpoints["control"]).halt("no keys at all", timeout=1.5)
         assert trainer.control.stats.received == 0  # nothing reached the trainer
-        assert fit.is_alive() and not trainer._stop  # training went on
+        assert fit.is_alive() and not trainer.controller.stop  # training went on
 
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         # `ls` reads a keyed run's progress only with an authorised key
@@ -108,7 +108,7 @@ def test_only_authorised_keys_reach_a_trainer_with_keys(tmp_path, caplog):
         assert trainer.stopped_by["reason"] == "alice"
         sub.close()
     finally:
-        trainer._stop = True
+        trainer.controller.stop = True
         fit.join(timeout=30)
         trainer.close()
 

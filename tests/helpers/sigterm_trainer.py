@@ -33,7 +33,7 @@ class Held(torch.utils.data.Dataset):
         if self.hold is not None and i == self.hold * 8 and self.trainer is not None:
             print(json.dumps({"holding": self.hold}), flush=True)
             deadline = time.monotonic() + 60
-            while not self.trainer._sigterm and time.monotonic() < deadline:
+            while not self.trainer.controller.sigterm and time.monotonic() < deadline:
                 time.sleep(0.01)
         return self.x[i], int(self.x[i, 0] > 0)
 

@@ -13,6 +13,7 @@ from common import loader, mlp
 from helpers.callbacks import BatchCounter, Crasher, ExitOnSecondFit, LossProbe, NiceProbe, Recorder
 
 from offloop.bus import Subscriber
+from offloop.bus.timestamp import FIELDS
 from offloop.bus.wire import decode_burst
 from offloop.trainer import Trainer
 
@@ -172,15 +173,18 @@ def test_load_eval_and_predict_fire_their_events_in_order(tmp_path):
 
 
 def test_a_steps_events_share_their_timestamp_and_a_burst_carries_it_once_each(tmp_path):
-    """Timestamp.as_tuple() gives one object while the counters stand still, and the
-    publisher keeps an event without a ts that is its predecessor's: on the wire a step
-    carries its ts twice (before and after the optimizer step), not at every event."""
+    """Timestamp.as_tuple() gives one object for the life of a Timestamp (the trainer moves
+    on to a new one at every step), and the publisher keeps an event without a ts that is
+    its predecessor's: on the wire a step carries its ts twice (before and after the
+    optimizer step), not at every event."""
     ts = Trainer(mlp(), loader(64, 8), "1ba", loss_fn=torch.nn.functional.cross_entropy,
                  run_dir=tmp_path / "run", burst_interval=60.0).timestamp
     assert ts.as_tuple() is ts.as_tuple()
     before = ts.as_tuple()
-    ts.next_batch(8, 0)
-    assert ts.as_tuple() == (0, 1, 1, 8, 0) and ts.as_tuple() is not before and "_as_tuple" not in ts.state_dict()
+    after = ts.to_next_batch(8, 0)
+    assert after.as_tuple() == (0, 1, 1, 8, 0) and after.as_tuple() is not before
+    assert after.as_tuple() is after.as_tuple() and ts.as_tuple() is before
+    assert set(after.state_dict()) == set(FIELDS)  # the cached tuple is no counter
 
     trainer = Trainer(mlp(), loader(64, 8), "8ba", loss_fn=torch.nn.functional.cross_entropy,
                       run_dir=tmp_path / "run2", burst_interval=60.0)

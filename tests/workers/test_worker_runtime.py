@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from harness import MemoryLog, run_with_worker
 
+from offloop.bus import ReadOnlyError
 from offloop.workers import Callback, ReadOnlyStateError, Worker
 from offloop.workers.spec import SpecError, build_callback, parse_spec
 
@@ -61,7 +62,7 @@ class Mutator(Callback):
         for change in changes:
             try:
                 change()
-            except ReadOnlyStateError as exc:
+            except ReadOnlyError as exc:  # the State's own ReadOnlyStateError, or its Timestamp's
                 self.nested_errors.append(str(exc))
 
 
@@ -95,7 +96,9 @@ def test_state_is_read_only_with_a_clear_error(tmp_path):
     assert mutator.error.startswith("cannot set state.loss: State is read-only")
     assert "self.halt(reason)" in mutator.error
     assert len(mutator.nested_errors) == 2 * 4  # every nested change refused, on both batches
-    assert all("State is read-only" in error for error in mutator.nested_errors)
+    dicts, timestamps = mutator.nested_errors[0:3] + mutator.nested_errors[4:7], mutator.nested_errors[3::4]
+    assert all("State is read-only" in error for error in dicts)
+    assert all(error.startswith("cannot set timestamp.batch: a Timestamp is read-only") for error in timestamps)
 
 
 def test_worker_subscribes_only_to_what_its_callbacks_implement(tmp_path):

@@ -1,0 +1,152 @@
+"""The Trainer's argument checks: what can be known before training fails here, naming
+the argument, the value received and what would be valid (a ConfigError)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offloop.bus import Time, TimeUnit
+from offloop.bus.duration import DurationError
+from offloop.trainer.errors import CheckpointError, ConfigError
+
+__all__ = ["PRECISIONS", "autocast", "fit_duration", "check_settings", "check_model", "check_run", "parse_duration", "resolve_device", "as_list",
+           "eval_loaders", "eval_intervals", "eval_metrics"]
+
+PRECISIONS = ("fp32", "amp_fp16", "amp_bf16")
+
+
+def check_settings(*, precision: Any, grad_accum: Any, contiguous_grads: Any, publish_samples: Any,
+                   burst_interval: Any, worker_nice: Any) -> None:
+    """The Trainer's plain settings, each against what it may be."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ConfigError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
+    if not isinstance(contiguous_grads, bool):
+        raise ConfigError(f"contiguous_grads must be True or False, got {contiguous_grads!r}")
+    if not isinstance(publish_samples, int) or publish_samples < 0:
+        raise ConfigError(f"publish_samples must be an int >= 0, got {publish_samples!r}")
+    if isinstance(burst_interval, bool) or not isinstance(burst_interval, (int, float)) \
+            or not 0 <= burst_interval <= 60:
+        raise ConfigError(f"burst_interval must be seconds between 0 and 60, got {burst_interval!r}")
+    if isinstance(worker_nice, bool) or not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
+        raise ConfigError(f"worker_nice must be an int between 0 and 19, got {worker_nice!r}")
+
+
+def check_model(model: Any, loss_fn: Any, max_duration: Time | None, num_tokens_fn: Any) -> None:
+    """A model the loop can train, for as long as it is asked to."""
+    if max_duration is not None and max_duration.unit is TimeUnit.TOKEN and not num_tokens_fn:
+        raise ConfigError("max_duration in tokens needs num_tokens_fn= to count tokens per batch")
+    if not hasattr(model, "loss") and loss_fn is None:
+        raise ConfigError(f"model {type(model).__name__} has no loss(outputs, batch) method and "
+                          "no loss_fn= was given: one of them is needed to train")
+
+
+def fit_duration(duration: Any, max_duration: Time | None, train_dataloader: Any) -> Time:
+    """What fit(duration=) trains for: `duration` if given, else the Trainer's max_duration."""
+    if duration is not None:
+        max_duration = parse_duration("duration", duration)
+    if max_duration is None:
+        raise ConfigError("no max_duration: pass max_duration= to Trainer or duration= to fit()")
+    if train_dataloader is None:
+        raise ConfigError("no train_dataloader was given")
+    return max_duration
+
+
+def autocast(precision: str, device_type: str):
+    """The context a forward pass runs in for `precision` (none for fp32)."""
+    if precision == "fp32":
+        return nullcontext()
+    dtype = torch.float16 if precision == "amp_fp16" else torch.bfloat16
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def check_run(callbacks: list | None, publish: bool, load_path: Any) -> None:
+    """Callbacks that can run, a checkpoint that exists."""
+    if callbacks and not publish:
+        raise ConfigError("callbacks run in worker processes and need publish=True")
+    if load_path is not None and not Path(load_path).is_file():
+        raise CheckpointError(f"load_path {str(load_path)!r} does not exist or is not a file")
+
+
+def parse_duration(name: str, value: Any) -> Time:
+    try:
+        return Time.parse(value)
+    except DurationError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device {device!r} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r} is not supported: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} was asked for, but this machine has no CUDA device")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device!r} was asked for, but this machine has "
+                          f"{torch.cuda.device_count()} CUDA device(s): use cuda:0 … "
+                          f"cuda:{torch.cuda.device_count() - 1}")
+    return resolved
+
+
+def as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def eval_loaders(value: Any) -> dict[str, Iterable]:
+    """Eval dataloaders by label: one loader is labelled 'eval'."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    return {"eval": value}
+
+
+def eval_metrics(value: Any, device: torch.device) -> dict[str, Any]:
+    """torchmetrics Metrics by name (from a Metric, a list, a dict or a MetricCollection),
+    moved to `device`."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        items = dict(value)
+    elif isinstance(value, (list, tuple)):
+        items = {type(m).__name__: m for m in value}
+    elif hasattr(value, "items") and hasattr(value, "compute"):  # MetricCollection
+        items = dict(value.items())
+    else:
+        items = {type(value).__name__: value}
+    for name, metric in items.items():
+        if not (hasattr(metric, "update") and hasattr(metric, "compute")):
+            raise ConfigError(f"eval_metrics[{name!r}] is a {type(metric).__name__}, not a torchmetrics Metric")
+        metric.to(device)
+    return items
+
+
+def eval_intervals(value: Any, loaders: dict[str, Iterable]) -> dict[str, Time]:
+    """One interval per eval dataloader label, in epochs or batches (an int means epochs)."""
+    per_label = dict(value) if isinstance(value, Mapping) else {label: value for label in loaders}
+    unknown = sorted(set(per_label) - set(loaders))
+    if unknown:
+        raise ConfigError(f"eval_interval names {unknown}, which are not eval_dataloader labels "
+                          f"({sorted(loaders)})")
+    out = {}
+    for label in loaders:
+        raw = per_label.get(label, 1)
+        interval = parse_duration(f"eval_interval[{label!r}]", f"{raw}ep" if isinstance(raw, int) else raw)
+        if interval.unit not in (TimeUnit.EPOCH, TimeUnit.BATCH) or interval.value < 1:
+            raise ConfigError(f"eval_interval {raw!r} for {label!r} must be a positive number of "
+                              "epochs or batches ('1ep', '100ba')")
+        out[label] = interval
+    return out

@@ -1,0 +1,101 @@
+"""What the loops need to know about a batch: its (input, target) pair, its size, its
+microbatches, its device, and how the model scores it (Composer's protocol or loss_fn=).
+Plain functions; none of them synchronises the GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from offloop.trainer.errors import TrainerError
+
+__all__ = ["pair", "batch_size", "split", "to_device", "loader_len", "scalar", "eval_forward", "targets",
+           "eval_loss"]
+
+
+def pair(batch: Any) -> tuple[Any, Any]:
+    """(input, target) of a batch trained with loss_fn=; names what it got otherwise."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    shape = f"a dict with keys {sorted(batch)}" if isinstance(batch, Mapping) else (
+        f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else type(batch).__name__)
+    raise TrainerError(f"with loss_fn= a batch must be an (input, target) pair; got {shape}")
+
+
+def batch_size(batch: Any) -> int:
+    """The first dimension of the batch's first tensor (in tuples, lists and dicts)."""
+    while isinstance(batch, (tuple, list)) and batch:  # the first element's
+        batch = batch[0]
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.ndim else 1
+    if isinstance(batch, Mapping) and batch:
+        return batch_size(next(iter(batch.values())))
+    raise TrainerError(f"cannot tell the batch size of a {type(batch).__name__} batch")
+
+
+def split(batch: Any, n: int) -> list:
+    """The batch as n microbatches (tensors chunked along their first dimension)."""
+    if n == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        return list(torch.chunk(batch, n))
+    if isinstance(batch, (tuple, list)):
+        parts = [split(x, n) for x in batch]
+        return [type(batch)(p[i] for p in parts) if isinstance(batch, tuple) else [p[i] for p in parts]
+                for i in range(len(parts[0]))]
+    if isinstance(batch, Mapping):
+        parts = {k: split(v, n) for k, v in batch.items()}
+        return [{k: v[i] for k, v in parts.items()} for i in range(len(next(iter(parts.values()))))]
+    raise TrainerError(f"grad_accum={n} cannot split a {type(batch).__name__} batch")
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """The batch's tensors on `device`, copied without blocking the host."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(x, device) for x in batch)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def loader_len(loader: Any) -> int | None:
+    """len(loader), or None for a loader without one."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def scalar(value: Any) -> Any:
+    """A 0-d tensor as a Python number (a sync: used only where the loop has ended)."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0:
+        return value.item()
+    return value
+
+
+# Composer's protocol: `model(batch)`, `model.loss(outputs, batch)`, optionally
+# `model.eval_forward(batch)` and `model.get_targets(batch)`; with loss_fn= the model
+# takes a pair's input and loss_fn scores its outputs against the pair's target.
+
+
+def eval_forward(model: Any, bare: Any, loss_fn: Any, batch: Any) -> Any:
+    """The outputs an evaluation scores (`bare` is the model unwrapped from DDP)."""
+    if loss_fn is not None:
+        return model(pair(batch)[0])
+    return bare.eval_forward(batch) if hasattr(bare, "eval_forward") else model(batch)
+
+
+def targets(bare: Any, loss_fn: Any, batch: Any) -> Any:
+    if loss_fn is None and hasattr(bare, "get_targets"):
+        return bare.get_targets(batch)
+    return pair(batch)[1]
+
+
+def eval_loss(bare: Any, loss_fn: Any, outputs: Any, batch: Any) -> torch.Tensor:
+    return bare.loss(outputs, batch) if loss_fn is None else loss_fn(outputs, pair(batch)[1])
