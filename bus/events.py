@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["Event", "Topic", "EVENT_TOPICS", "CHECKPOINT_SAVED", "CONTROL_REQUEST", "RUN_TOPICS"]
+__all__ = ["Event", "Topic", "EVENT_TOPICS", "CHECKPOINT_SAVED", "CONTROL_REQUEST", "GRAD_NORMS",
+           "RUN_TOPICS"]
 
 
 class Event(str, Enum):
@@ -95,6 +96,13 @@ CHECKPOINT_SAVED = "checkpoint_saved"
 #: Published by the trainer for each control request it reads (op, client, args, step).
 CONTROL_REQUEST = "control_request"
 
-#: Every topic a trainer publishes; a subscription to "everything" means these.
+#: Published by the trainer just before after_train_batch, and only while a subscriber
+#: names this topic: the gradients' global L2 norm (and per-parameter norms with
+#: `per_param_grad_norms=True`). Not in RUN_TOPICS, so a subscriber of everything does
+#: not make every step pay for a norm; callbacks that read `state.grad_norm` list it in
+#: their `state_topics`, as Composer's GradMonitor is the one that pays for it there.
+GRAD_NORMS = "grad_norms"
+
+#: Every topic a trainer publishes unasked; a subscription to "everything" means these.
 EVENT_TOPICS: tuple[str, ...] = tuple(e.value for e in Event)
 RUN_TOPICS: tuple[str, ...] = EVENT_TOPICS + (CHECKPOINT_SAVED, CONTROL_REQUEST)

@@ -27,8 +27,8 @@ def check_settings(*, precision: Any, grad_accum: Any, contiguous_grads: Any, pu
         raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if not isinstance(grad_accum, int) or grad_accum < 1:
         raise ConfigError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
-    if not isinstance(contiguous_grads, bool):
-        raise ConfigError(f"contiguous_grads must be True or False, got {contiguous_grads!r}")
+    if not (isinstance(contiguous_grads, bool) or contiguous_grads == "auto"):
+        raise ConfigError(f"contiguous_grads must be True, False or 'auto', got {contiguous_grads!r}")
     if not isinstance(publish_samples, int) or publish_samples < 0:
         raise ConfigError(f"publish_samples must be an int >= 0, got {publish_samples!r}")
     if isinstance(burst_interval, bool) or not isinstance(burst_interval, (int, float)) \

@@ -1,18 +1,19 @@
 """Gradients in one contiguous buffer: zeroing is one fill, the global norm one op.
 
-Why: on a small model every torch call costs the training thread 1-3 µs, so the
-global gradient norm published at `after_train_batch` -- one norm per parameter, then
-one `.item()` each -- cost a step about 18 µs on the benchmark's MLP, and
-`zero_grad(set_to_none=True)` frees every gradient that backward then allocates again.
-Here every trainable parameter's `.grad` lies in one flat CPU buffer: a step zeroes it
-with one `zero_()`, backward accumulates into it in place, and the norm is one op over
-the buffer (measured: 1.09x the hand-written loop with per-parameter norms, 1.01x with
-the buffer). For float32 and float64 that op is `torch.dot` of the buffer with itself:
-its dispatch costs the step about 10 000 fewer instructions than
-`torch.linalg.vector_norm` (about half the norm's cost on the benchmark's MLP), and its
-BLAS kernel, summing in blocks, is no less accurate (against a float64 reference, 1e-6
-relative error at 10^6 elements where vector_norm's is 1e-5; both overflow to inf
-alike). Half types keep `torch.linalg.vector_norm`, which sums them in float32.
+Why: on a model of many small tensors each torch call is a large share of a step, and
+`zero_grad(set_to_none=True)` frees every gradient that backward then allocates again,
+one call per parameter; the global norm is one call per parameter more. Here every
+trainable parameter's `.grad` lies in one flat CPU buffer: a step zeroes it with one
+`zero_()`, backward accumulates into it in place, and the norm is one op over the
+buffer. For float32 and float64 that op is `torch.dot` of the buffer with itself
+(a cheaper dispatch than `torch.linalg.vector_norm`, and its BLAS kernel, summing in
+blocks, is no less accurate; both overflow to inf alike); half types keep
+`vector_norm`, which sums them in float32. The price is a pass over every gradient
+element (the fill, and backward adding into the buffer instead of handing it a fresh
+tensor), so on a model of large tensors the buffer costs more than it saves:
+`Trainer(contiguous_grads="auto")`, the default, adopts it only where the trainable
+tensors are small on average (`GradBuffer.pays_off`). The figures behind both choices
+are in docs/benchmarks.md ("Contiguous gradient buffer", "A model of real size").
 Megatron's and DeepSpeed's contiguous gradient buffers do the same for their own reasons.
 
 What the optimizer sees is what `zero_grad(set_to_none=True)` gives it: each `.grad`
@@ -29,7 +30,8 @@ no sparse-gradient module, optimizers that zero with `torch.optim.Optimizer.zero
 and hold exactly the trainable parameters. If a `.grad` is ever replaced during a
 step, the buffer is given up and the trainer goes back to `zero_grad(set_to_none=True)`.
 Cost: the gradients' memory is held through the forward pass (one copy of the
-trainable parameters); `Trainer(contiguous_grads=False)` turns the buffer off.
+trainable parameters); `Trainer(contiguous_grads=False)` turns the buffer off, `True`
+adopts it whatever the tensors' sizes.
 """
 
 from __future__ import annotations
@@ -63,6 +65,16 @@ class GradBuffer:
         self._versions = list(map(_VERSION, self.grads))
         self._none: list[tuple[nn.Parameter, torch.Tensor]] = []  # .grad set to None last step
         self._dot = self.flat.dtype in (torch.float32, torch.float64)  # see the module docstring
+
+    #: "auto" adopts the buffer up to this mean number of elements per trainable tensor:
+    #: below it, the calls saved outweigh the extra pass over the elements
+    SMALL_TENSORS = 2048
+
+    @classmethod
+    def pays_off(cls, params: list[nn.Parameter]) -> bool:
+        """Whether the buffer saves a step more than it costs (the rule behind "auto")."""
+        trainable = [p for p in params if p.requires_grad]
+        return bool(trainable) and sum(p.numel() for p in trainable) <= cls.SMALL_TENSORS * len(trainable)
 
     @classmethod
     def adopt(cls, model: nn.Module, params: list[nn.Parameter],

@@ -38,7 +38,7 @@ class StepReadings:
         self._names = [name for name, _ in named_parameters]
         self.params = [param for _, param in named_parameters]
 
-    def grads(self, loss: Any) -> dict[str, Any]:
+    def grad_norms(self) -> dict[str, Any]:
         """Global gradient L2 norm from per-parameter norms, computed on the device (no
         sync): without the contiguous buffer, or when per-parameter norms are asked for
         (with the buffer and without them, the loop reads the buffer's one-op norm)."""
@@ -48,17 +48,17 @@ class StepReadings:
             names = [n for n, g in zip(names, grads, strict=True) if g is not None]
             grads = [g for g in grads if g is not None]
             if not grads:
-                return {"grad_norm": None, "loss": loss}
+                return {"grad_norm": None}
         norms = torch._foreach_norm(grads)  # one kernel launch for every parameter
         if self._device_type == "cpu":
             # host numbers now (no device to wait for): the per-parameter norms combined
             # in double precision on the host cost half what two more torch ops would
             values = [n.item() for n in norms] if len(norms) <= 16 else torch.stack(norms).tolist()
-            snapshot: dict[str, Any] = {"grad_norm": _hypot(values), "loss": loss}
+            snapshot: dict[str, Any] = {"grad_norm": _hypot(values)}
             if self.per_param_grad_norms:
                 snapshot["param_grad_norms"] = dict(zip(names, values, strict=True))
             return snapshot
-        snapshot = {"grad_norm": torch.linalg.vector_norm(torch.stack(norms)), "loss": loss}
+        snapshot = {"grad_norm": torch.linalg.vector_norm(torch.stack(norms))}
         if self.per_param_grad_norms:
             snapshot["param_grad_norms"] = dict(zip(names, norms, strict=True))
         return snapshot

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offloop.bus import Publisher, Time, Timestamp, TimeUnit, Topic
+from offloop.bus import GRAD_NORMS, Publisher, Time, Timestamp, TimeUnit, Topic
 from offloop.trainer import arguments, batches, checkpoint, distributed
 from offloop.trainer.control import Control
 from offloop.trainer.errors import CheckpointError, ConfigError, TrainerError
@@ -65,7 +65,7 @@ class Trainer:
         publish_eval_outputs: bool = False,
         publish_samples: int = 0,
         per_param_grad_norms: bool = False,
-        contiguous_grads: bool = True,
+        contiguous_grads: bool | str = "auto",
         hparams: Mapping[str, Any] | None = None,
         host: str = "127.0.0.1",
         keys: str | os.PathLike | None = None,
@@ -210,7 +210,9 @@ class Trainer:
         self.emitter.emit(Topic.FIT_START, self.timestamp.as_tuple(), {"config": self.config()})
         self.model.train()
         self._readings.track(list(self.model.named_parameters()))
-        self._grads, self._adopt_grads = None, self.contiguous_grads
+        self._grads = None
+        self._adopt_grads = self.contiguous_grads is True or (
+            self.contiguous_grads == "auto" and GradBuffer.pays_off(self._readings.params))
         while not control.stop and not max_duration.reached(self.timestamp):
             ts = self.timestamp
             if ts.epoch_in_iteration == 0 and ts.batch_in_epoch == 0:
@@ -301,10 +303,12 @@ class Trainer:
         # built when publishing); with one microbatch, after_loss has read it already
         if accum > 1 or loss_out is None:
             loss_out = host(total_loss) if wants(Topic.BATCH_END) or wants(Topic.AFTER_TRAIN_BATCH) else None
+        if wants(GRAD_NORMS):  # asked for by name only: a norm is a pass over every gradient
+            grads = self._grads  # the buffer's global norm is one op: no call to readings.grad_norms()
+            snapshot(GRAD_NORMS, now, {"grad_norm": grads.norm()}
+                     if grads is not None and not self.per_param_grad_norms else self._readings.grad_norms())
         if wants(Topic.AFTER_TRAIN_BATCH):
-            grads = self._grads  # the buffer's global norm is one op: no call to readings.grads()
-            snapshot(Topic.AFTER_TRAIN_BATCH, now, {"grad_norm": grads.norm(), "loss": loss_out}
-                     if grads is not None and not self.per_param_grad_norms else self._readings.grads(loss_out))
+            snapshot(Topic.AFTER_TRAIN_BATCH, now, {"loss": loss_out})
         for opt in self.optimizers:
             if self._scaler is not None:
                 self._scaler.step(opt)  # skipped when a gradient overflowed

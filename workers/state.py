@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from offloop.bus import Event, Message, ReadOnlyError, Time, Timestamp
+from offloop.bus import GRAD_NORMS, Event, Message, ReadOnlyError, Time, Timestamp
 from offloop.bus.duration import DurationError
 from offloop.bus.wire import TensorFrame
 
@@ -125,7 +125,7 @@ class State:
                   memory=FrozenDict(data.get("memory") or {}),
                   samples=data.get("samples"), flops=data.get("flops"))
 
-    def _after_train_batch(self, data: dict) -> None:
+    def _grad_norms(self, data: dict) -> None:
         self._set(grad_norm=data.get("grad_norm"),
                   param_grad_norms=FrozenDict(data.get("param_grad_norms") or {}))
 
@@ -148,7 +148,7 @@ _EVENTS = {event.value: event for event in Event}
 _UPDATES = {
     "batch_end": State._batch_end,
     "after_loss": lambda s, d: s._set(loss=d.get("loss")),
-    "after_train_batch": State._after_train_batch,
+    GRAD_NORMS: State._grad_norms,
     "eval_start": lambda s, d: s._set(dataloader_label=d.get("dataloader_label")),
     "eval_end": State._eval_end,
     "eval_batch_end": State._eval_batch_end,

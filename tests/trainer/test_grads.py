@@ -66,12 +66,12 @@ def train(tmp_path, data, make_opt=sgd, model=None, **kwargs) -> tuple[Trainer, 
     original = trainer.emitter.snapshot
 
     def probe(topic, ts, data):
-        if topic == "after_train_batch":
+        if topic == "grad_norms":
             seen.append((data["grad_norm"], [p.grad is not None for p in model.parameters()]))
         return original(topic, ts, data)
 
     trainer.emitter.snapshot = probe
-    trainer.emitter.wants = lambda topic: topic == "after_train_batch"
+    trainer.emitter.wants = lambda topic: topic == "grad_norms"
     trainer.fit()
     trainer.close()
     return trainer, seen
@@ -114,9 +114,31 @@ def test_contiguous_grads_false_keeps_set_to_none_and_a_bad_value_is_refused(tmp
     data = batches(4)
     trainer, _ = train(tmp_path, data, contiguous_grads=False)
     assert trainer._grads is None
-    with pytest.raises(ConfigError, match="contiguous_grads must be True or False, got 'yes'"):
+    with pytest.raises(ConfigError, match="contiguous_grads must be True, False or 'auto', got 'yes'"):
         Trainer(SometimesUnused(), data, "1ba", loss_fn=F.cross_entropy, publish=False,
                 run_dir=tmp_path / "bad", contiguous_grads="yes")
+
+
+class Wide(nn.Module):
+    """Two tensors of 40 000 elements each: far past what "auto" adopts the buffer for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(8, 5000, bias=False), nn.Linear(5000, 3, bias=False)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+@pytest.mark.parametrize(("model", "setting", "adopted"), [
+    (SometimesUnused, "auto", True), (Wide, "auto", False), (Wide, True, True), (SometimesUnused, False, False),
+])
+def test_auto_adopts_the_buffer_only_for_small_tensors(tmp_path, model, setting, adopted):
+    assert GradBuffer.pays_off(list(model().parameters())) is (model is SometimesUnused)
+    trainer, seen = train(tmp_path, batches(4), model=model(), contiguous_grads=setting)
+    assert (trainer._grads is not None) is adopted
+    assert len(seen) == 4 and all(norm > 0 for norm, _ in seen)  # norms either way
 
 
 class OwnZeroGrad(torch.optim.SGD):
@@ -189,3 +211,32 @@ def test_the_buffers_norm_is_the_gradients_l2_norm_in_every_float_dtype(dtype):
     if dtype in (torch.float32, torch.float64):  # the dot: a square that overflows gives inf, as vector_norm's
         buffer.flat[0] = torch.finfo(dtype).max
         assert buffer.norm() == math.inf == torch.linalg.vector_norm(buffer.flat).item()
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["everything", "grad_norms-by-name"])
+def test_norms_are_computed_only_for_a_subscriber_that_names_them(tmp_path, monkeypatch, named):
+    """A subscriber of every event does not make each step pay for a pass over the
+    gradients; one that names `grad_norms` (as GradMonitor does) gets the step's norm."""
+    from offloop.bus import GRAD_NORMS, RUN_TOPICS, Subscriber
+
+    data = batches(6)
+    model = SometimesUnused()
+    trainer = Trainer(model, data, f"{len(data)}ba", loss_fn=F.cross_entropy, optimizers=sgd(model),
+                      run_dir=tmp_path / "run", seed=1, burst_interval=0)
+    endpoints = trainer.publisher.endpoints
+    sub = Subscriber(endpoints["events"], endpoints["state"],
+                     topics=[*RUN_TOPICS, GRAD_NORMS] if named else None)
+    sub.connect()
+    computed = []  # every norm taken, by either path (per parameter, or the buffer's)
+    per_param, buffer = trainer._readings.grad_norms, GradBuffer.norm
+    monkeypatch.setattr(trainer._readings, "grad_norms", lambda: computed.append(1) or per_param())
+    monkeypatch.setattr(GradBuffer, "norm", lambda self: computed.append(1) or buffer(self))
+    trainer.fit()
+    topics = []
+    while (msg := sub.recv(timeout=2)) is not None and msg.topic != "fit_end":
+        topics.append(msg.topic)
+    sub.close()
+    trainer.close()
+    assert topics.count("after_train_batch") == len(data)
+    assert topics.count(GRAD_NORMS) == (len(data) if named else 0)
+    assert len(computed) == (len(data) if named else 0)

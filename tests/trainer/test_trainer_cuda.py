@@ -6,7 +6,7 @@ import pytest
 import torch
 from common import mlp
 
-from offloop.bus import Subscriber
+from offloop.bus import GRAD_NORMS, RUN_TOPICS, Subscriber
 from offloop.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -21,7 +21,8 @@ def test_training_with_every_event_published_never_syncs(tmp_path):
                       optimizers=None, device="cuda", run_dir=tmp_path / "run",
                       per_param_grad_norms=True)
     endpoints = trainer.publisher.endpoints
-    sub = Subscriber(endpoints["events"], endpoints["state"])  # wants every event
+    # every event, and the gradient norms a GradMonitor asks for by name
+    sub = Subscriber(endpoints["events"], endpoints["state"], topics=[*RUN_TOPICS, GRAD_NORMS])
     sub.connect()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -34,7 +35,7 @@ def test_training_with_every_event_published_never_syncs(tmp_path):
         if msg.topic == "batch_end" and not msg.from_state:
             losses.append(msg.data["loss"])
             assert msg.data["memory"]["allocated_bytes"] > 0
-        if msg.topic == "after_train_batch":
+        if msg.topic == GRAD_NORMS:
             norms.append(msg.data["grad_norm"])
     sub.close()
     trainer.close()

@@ -20,10 +20,10 @@ def test_amp_fp16_scales_the_loss_unscales_before_the_norm_and_checkpoints_the_s
                       publish=False, run_dir=tmp_path / "run", seed=1)
     assert trainer._scaler is not None and trainer._scaler.get_scale() == 2.0**16
     norms = []
-    original = trainer.emitter.snapshot  # what after_train_batch publishes
+    original = trainer.emitter.snapshot  # what grad_norms publishes
     trainer.emitter.snapshot = lambda topic, ts, data: (
-        norms.append(data["grad_norm"]) if topic == "after_train_batch" else None, original(topic, ts, data))
-    trainer.emitter.wants = lambda topic: topic == "after_train_batch"
+        norms.append(data["grad_norm"]) if topic == "grad_norms" else None, original(topic, ts, data))
+    trainer.emitter.wants = lambda topic: topic == "grad_norms"
     trainer.fit()
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     # unscaled before the norm: a few units, not 65536 times that

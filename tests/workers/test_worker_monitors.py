@@ -224,7 +224,8 @@ def test_memory_monitor_on_cuda_logs_allocator_stats_in_gigabytes():
 
 def test_optimizer_monitor_logs_nothing_for_a_batch_whose_norms_it_missed():
     log = dispatch([OptimizerMonitor()], [
-        ("after_train_batch", 1.0, (0, 0, 0, 0, 0), {"grad_norm": 2.0}),
+        ("grad_norms", 1.0, (0, 0, 0, 0, 0), {"grad_norm": 2.0}),
+        ("after_train_batch", 1.0, (0, 0, 0, 0, 0), {}),
         ("batch_end", 1.1, (0, 1, 1, 8, 0), {}),
         # the after_train_batch of batch 2 was lost on the way (a counted gap)
         ("batch_end", 1.2, (0, 2, 2, 16, 0), {}),

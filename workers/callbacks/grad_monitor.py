@@ -1,15 +1,16 @@
 """Composer's `OptimizerMonitor` and its older name `GradMonitor`: gradient L2 norms.
 
-The trainer computes the norms on its device after the backward pass and publishes
-them with after_train_batch (the global norm always, per-parameter norms when built
-with `per_param_grad_norms=True`); these callbacks log them.
+The trainer computes the norms on its device after the backward pass, only while a
+subscriber asks for them (topic `grad_norms`, just before after_train_batch: the global
+norm, and per-parameter norms when built with `per_param_grad_norms=True`); these
+callbacks ask for them and log them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from offloop.bus import Time
+from offloop.bus import GRAD_NORMS, Time
 from offloop.workers.callback import Callback
 from offloop.workers.callbacks._intervals import batch_or_epoch_interval
 
@@ -26,6 +27,8 @@ class OptimizerMonitor(Callback):
         interval: log every this many batches ('10ba', an int of batches) or epochs ('1ep').
         only_global: log only the global norm, not the per-parameter norms.
     """
+
+    state_topics = frozenset({GRAD_NORMS})
 
     def __init__(self, log_optimizer_metrics: bool = True, interval: int | str | Time = 1,
                  only_global: bool = False) -> None:

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from typing import Any
 
+from offloop.bus import GRAD_NORMS
 from offloop.workers.callback import Callback
 from offloop.workers.callbacks.speed_monitor import gpu_flops_available
 
@@ -109,8 +110,11 @@ class PrometheusExporter(Callback):
             values, for at most this many seconds (0: stop at once).
 
     The server starts at the first event this worker handles (never in the process that
-    built the callback), and stops when the worker closes its callbacks.
+    built the callback), and stops when the worker closes its callbacks. It asks the
+    trainer for the gradients' norm (topic `grad_norms`) for `offloop_grad_norm`.
     """
+
+    state_topics = frozenset({GRAD_NORMS})
 
     def __init__(self, port: int = 9464, addr: str = "127.0.0.1", *, window_size: int = 20,
                  gpu_flops_available: float | None = None, linger: float = 0.0) -> None:
