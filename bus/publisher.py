@@ -12,7 +12,7 @@ Sockets, all owned here::
 
 The proxy runs in libzmq without the GIL, so the publishing thread pays one
 non-blocking send per event and nothing more. A send that finds the proxy asleep wakes
-it, which costs the sender a cross-CPU wake-up (about 14 µs on a virtual machine); a
+it, which costs the sender a cross-CPU wake-up (docs/benchmarks.md has the figure); a
 loop that publishes many events a step can `hold()` them and `release()` them in one
 burst, which wakes the proxy once. Subscribers of everything get each burst as one
 message (topic ``_burst``: one receive and one decode for a whole step's events);
