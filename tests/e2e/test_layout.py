@@ -112,3 +112,18 @@ def test_dependencies_flow_one_way(package, forbidden):
     assert imports, f"no modules found under {package}/"
     offenders = {module: sorted(names & forbidden) for module, names in imports.items() if names & forbidden}
     assert not offenders, f"{package}/ must not import {sorted(forbidden)}: {offenders}"
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists the packages by hand (package-dir maps the folders): a new
+    subpackage left off the list would work from this checkout and be missing once installed."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed, dirs = set(config["packages"]), config["package-dir"]
+    found = set()
+    for name, folder in dirs.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((name, *parts)))
+    assert found == listed, f"missing from pyproject: {sorted(found - listed)}; listed, not found: {sorted(listed - found)}"
