@@ -10,7 +10,8 @@ class BusError(Exception):
 
 
 class WireError(BusError, ValueError):
-    """Bytes that are not a valid offloop v1 message: the one error decoding raises."""
+    """Bytes that are not a valid offloop wire v2 message (docs/protocol.md): the one error
+    decoding raises."""
 
 
 class RunNotFound(BusError):
