@@ -161,10 +161,13 @@ class Worker:
         """Fold one message into the State and run every enabled callback on it, in order."""
         state, topic = self.state, msg.topic
         event = state._update(msg) or topic
-        self.stats.events += 1
-        if self._sub is not None and self._sub.stats.gaps != self.stats.gaps:
-            self._note_gaps()
-            state._set(gaps=self.stats.gaps)
+        stats, sub = self.stats, self._sub
+        stats.events += 1
+        if sub is not None and (sub.stats.gaps != stats.gaps or sub.publisher_drops != state.publisher_drops):
+            if sub.stats.gaps != stats.gaps:
+                self._note_gaps()
+            state._set(gaps=stats.gaps, publisher_drops=sub.publisher_drops)
+        state._set(events_received=stats.events)
         for callback in self._recorders:
             callback.record(msg)
         clock, disabled = time.perf_counter, self.disabled

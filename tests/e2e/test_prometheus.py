@@ -78,6 +78,7 @@ def test_metrics_follow_prometheus_conventions_and_render_the_latest_snapshot(fr
     feed.event("checkpoint_saved", t + 6, (0, 3, 3, 96, 12288), path="/x.pt", step=3, tag="",
                event="batch_checkpoint", requested_by="c")
     feed.event("control_request", t + 6, (0, 3, 3, 96, 12288), op="halt", client="c", args={})
+    feed.state._set(publisher_drops=4)  # as the worker runtime sets it from a heartbeat
     feed.event("epoch_end", t + 7, (1, 3, 0, 96, 12288))
 
     families = _families(url)
@@ -108,6 +109,7 @@ def test_metrics_follow_prometheus_conventions_and_render_the_latest_snapshot(fr
     assert _value(families, "offloop_checkpoints_written") == 1
     assert _value(families, "offloop_events_received") == 12
     assert _value(families, "offloop_events_lost") == 0
+    assert _value(families, "offloop_publisher_drops") == 4  # read from the State, not the worker
     assert 3.0 <= _value(families, "offloop_last_event_age_seconds") < 60
     text = scrape(url)
     assert "offloop_samples_total{" in text and "offloop_checkpoints_written_total{" in text

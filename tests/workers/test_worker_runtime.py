@@ -224,3 +224,47 @@ def test_worker_cli_refuses_unknown_runs_and_bad_specs(tmp_path):
         proc = _offloop("worker", "x", "LRMonitor", "--nice", bad)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 2 and f"argument --nice: must be an int between 0 and 19, got '{bad}'" in err
+
+
+class _Counts(Callback):
+    """Reads the worker's loss accounting from the State, as the Prometheus exporter does."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int | None, int]] = []
+
+    def batch_end(self, state, logger) -> None:
+        self.seen.append((state.events_received, state.publisher_drops, state.gaps))
+
+
+def test_state_carries_the_publishers_drops_and_the_events_received():
+    import threading
+
+    from offloop.bus import Publisher, RunInfo
+
+    pub = Publisher("drop-run", queue_size=1, heartbeat_interval=0.05)
+    endpoints = pub.start()
+    counts = _Counts()
+    worker = Worker(RunInfo("drop-run", "drop-run", os.getpid(), time.time(), endpoints), [counts],
+                    destinations=[MemoryLog()], heartbeat_timeout=30)
+    worker.connect()
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(worker.run()), daemon=True)
+    thread.start()
+    try:
+        for i in range(20000):  # a queue of one message: some of these are dropped, and counted
+            pub.publish("batch_end", (0, i, i, i, 0), {"pad": b"x" * 4096})
+        assert pub.drops > 0
+        drops, deadline = pub.drops, time.monotonic() + 20
+        # once a heartbeat with the drops has come, the next event's State carries them
+        while not (counts.seen and counts.seen[-1][1] == drops) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            pub.publish("batch_end", (0, 20000, 20000, 20000, 0), {})
+        pub.publish("fit_end", (1, 20000, 0, 20000, 0), {"stopped_by": None})
+        thread.join(timeout=30)
+    finally:
+        pub.close(linger=0.1)
+    assert codes == [0]
+    received, seen_drops, gaps = counts.seen[-1]
+    assert seen_drops == drops == pub.drops
+    assert received == worker.stats.events - 1  # every event but the fit_end after it
+    assert gaps == worker.stats.gaps > 0

@@ -7,7 +7,6 @@ runs in a worker like any callback, so a slow scrape never touches the trainer.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections import deque
@@ -137,7 +136,6 @@ class PrometheusExporter(Callback):
         self._lock: threading.Lock | None = None
         self._view: _View | None = None
         self._server = None
-        self._worker = None
         self._final_scrape: threading.Event | None = None
 
     # ------------------------------------------------------------------ events
@@ -213,7 +211,6 @@ class PrometheusExporter(Callback):
         self._peak_flops = self._device_peak(state)  # a late joiner has the config, not fit_start
         self._eval_seconds, self._eval_started = 0.0, None
         self._eval_source = None
-        self._worker = _find_worker()
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(self))
         self._app = self._wsgi_app(registry)
@@ -266,8 +263,9 @@ class PrometheusExporter(Callback):
                 view.eval = {label: {n: v for n, v in ((n, _number(x)) for n, x in metrics.items())
                                      if v is not None}
                              for label, metrics in state.eval_metrics.items()}
-            view.events += 1
-            view.gaps = state.gaps
+            # the worker's counts cover every event it received, not only those handled here
+            view.events = max(view.events + 1, state.events_received)
+            view.gaps, view.drops = state.gaps, state.publisher_drops
             view.last_event_time = state.wall_time
             view.checkpoints += checkpoint
             if control_op is not None:
@@ -279,7 +277,7 @@ class PrometheusExporter(Callback):
         """The metric families, rendered from the view at scrape time."""
         with self._lock:
             view = self._view
-            families = _families(view, self._worker, time.time())
+            families = _families(view, time.time())
             self._request.final = view.finished
         return families
 
@@ -351,7 +349,7 @@ class _Collector:
         yield from self._exporter._collect()
 
 
-def _families(view: _View, worker, now: float) -> list:
+def _families(view: _View, now: float) -> list:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     extra_labels = {"offloop_learning_rate": ["group"], "offloop_eval_metric": ["dataloader", "metric"],
@@ -386,37 +384,12 @@ def _families(view: _View, worker, now: float) -> list:
     for key, value in view.memory.items():
         if key in _MEMORY:
             put(_MEMORY[key], value)
-    events, gaps, drops = view.events, view.gaps, view.drops
-    if worker is not None:  # the worker's own counts cover every event it received
-        events, gaps = max(events, worker.stats.events), max(gaps, worker.stats.gaps)
-        if worker._sub is not None:
-            drops = worker._sub.publisher_drops
-    put("offloop_events_received", events)
-    put("offloop_events_lost", gaps)
-    put("offloop_publisher_drops", drops)
+    put("offloop_events_received", view.events)
+    put("offloop_events_lost", view.gaps)
+    put("offloop_publisher_drops", view.drops)
     for op, count in sorted(view.control.items()):
         put("offloop_control_requests", count, op)
     put("offloop_checkpoints_written", view.checkpoints)
     if view.last_event_time is not None:
         put("offloop_last_event_age_seconds", max(0.0, now - view.last_event_time))
     return list(families.values())
-
-
-def _find_worker():
-    """The Worker running this callback, from the call stack, or None (e.g. offline replay).
-
-    The runtime hands callbacks no handle on their worker, and the publisher's drop count
-    lives only in the worker's subscriber; every event method is called a few frames
-    below Worker.dispatch.
-    """
-    from offloop.workers.runtime import Worker
-
-    frame = sys._getframe(1)
-    for _ in range(10):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Worker):
-            return candidate
-        frame = frame.f_back
-    return None
