@@ -72,6 +72,15 @@ def loader_len(loader: Any) -> int | None:
         return None
 
 
+def dataset_len(loader: Any) -> int | None:
+    """The samples in a DataLoader's dataset (every rank's, under a DistributedSampler),
+    or None where the loader has no sized dataset."""
+    try:
+        return len(loader.dataset)
+    except (AttributeError, TypeError):
+        return None
+
+
 def scalar(value: Any) -> Any:
     """A 0-d tensor as a Python number (a sync: used only where the loop has ended)."""
     if isinstance(value, torch.Tensor) and value.ndim == 0:

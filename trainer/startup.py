@@ -17,7 +17,7 @@ import zmq
 
 from offloop.bus import ControlServer, Publisher, RunInfo, mark_finished, write_run_info
 from offloop.bus.security import SecurityError, check_exposure, generate_keys, load_server_keys
-from offloop.trainer.batches import loader_len
+from offloop.trainer.batches import dataset_len, loader_len
 from offloop.trainer.distributed import ControlAgreement
 from offloop.trainer.errors import ConfigError
 from offloop.trainer.readings import describe_optimizer
@@ -49,6 +49,10 @@ def run_config(model: torch.nn.Module, *, run_name: str, run_id: str, seed: int,
         "num_params": sum(p.numel() for p in model.parameters()),
         "max_duration": str(max_duration) if max_duration else None,
         "dataloader_len": loader_len(train_dataloader),
+        # a DataLoader's own figures where it has them (MLPerf's submission logs them)
+        "train_batch_size": getattr(train_dataloader, "batch_size", None),
+        "train_samples": dataset_len(train_dataloader),
+        "eval_samples": {k: dataset_len(v) for k, v in eval_dataloaders.items()},
         "eval_interval": {k: str(v) for k, v in eval_intervals.items()},
         "eval_dataloaders": {k: loader_len(v) for k, v in eval_dataloaders.items()},
         "world_size": world_size,

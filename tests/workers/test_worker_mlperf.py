@@ -15,8 +15,8 @@ from offloop.workers import Callback
 from offloop.workers.callbacks import MLPerfCallback
 
 HEADER = ["init_start", "submission_benchmark", "submission_division", "submission_org",
-          "submission_platform", "submission_status", "seed", "gradient_accumulation_steps",
-          "init_stop", "run_start"]
+          "submission_platform", "submission_status", "seed", "global_batch_size",
+          "gradient_accumulation_steps", "train_samples", "eval_samples", "init_stop", "run_start"]
 EPOCH = ["epoch_start", "block_start", "epoch_stop", "eval_start", "eval_stop", "eval_accuracy",
          "block_stop"]
 FIELDS = ["namespace", "time_ms", "event_type", "key", "value", "metadata"]
@@ -55,9 +55,10 @@ def test_result_file_short_of_target_ends_aborted(tmp_path):
     result = tmp_path / "submission" / "results" / "1xtest" / "resnet" / "result_0.txt"
     events = read_mllog(result)
     keys = [e["key"] for e in events]
-    # global_batch_size once the first batch is published; train_samples after epoch 1
-    first = EPOCH[:2] + ["global_batch_size"] + EPOCH[2:3] + ["train_samples"] + EPOCH[3:]
-    assert keys == HEADER + first + EPOCH + EPOCH + ["run_stop"]
+    # the run's sizes, from the config the trainer publishes, before run_start
+    assert keys == HEADER + EPOCH + EPOCH + EPOCH + ["run_stop"]
+    sizes = {e["key"]: e["value"] for e in events if e["key"] in ("global_batch_size", "train_samples", "eval_samples")}
+    assert sizes == {"global_batch_size": 8, "train_samples": 64, "eval_samples": 32}
     by_key = {e["key"]: e for e in events}
     assert by_key["submission_benchmark"]["value"] == "resnet"
     assert by_key["submission_platform"]["value"] == "1xtest"
