@@ -1,5 +1,6 @@
 """Burst messages: several events of one publisher in one ZeroMQ message, for subscribers
-of everything.
+of everything. Promise: nothing is pickled; untrusted bytes decode within `Limits` or
+raise `WireError`.
 
 Burst message (several events in one ZeroMQ message, for subscribers of everything)::
 
@@ -12,8 +13,8 @@ Burst message (several events in one ZeroMQ message, for subscribers of everythi
 
 A burst numbers its events instead of carrying seq and tseq in each, and an event
 carries ``ts`` only where it differs from the event before it (the first always
-carries it); ``d`` may be nil for an event without fields. That halves what a
-step's events cost to pack and to decode. A burst's events have consecutive
+carries it); ``d`` may be nil for an event without fields, so a step's events are cheaper to
+pack and to decode (docs/benchmarks.md). A burst's events have consecutive
 ``seq``: an event left out (a value the wire cannot carry) ends one burst and the
 next starts after it.
 Inside a burst, tensor descriptors number the burst's frames (1, 2, ... across all

@@ -1,4 +1,5 @@
 """Event messages and heartbeats (PUB/SUB): how one event is framed, encoded and decoded.
+Promise: nothing is pickled; untrusted bytes decode within `Limits` or raise `WireError`.
 
 Event message (PUB/SUB, one topic per Composer event)::
 
@@ -11,8 +12,8 @@ Event message (PUB/SUB, one topic per Composer event)::
                d: map]          # event-specific fields
     frame 1.. raw bytes of each tensor in d, C order, native little-endian
 
-The envelope is positional because it is on every event: decoding an array costs
-half what a map with the same fields does. Everything rarer is a map.
+The envelope is positional because it is on every event: an array is cheaper to
+decode than a map with the same fields. Everything rarer is a map.
 A tensor inside ``d`` is the msgpack ext type 1 whose payload is the msgpack
 array ``[frame_index, dtype, shape]``. Heartbeats travel on the topic ``_hb``.
 
