@@ -73,6 +73,8 @@ def test_result_file_short_of_target_ends_aborted(tmp_path):
     assert len(recorder.values) == 3 and not mlperf.success
     systems = json.loads((tmp_path / "submission" / "systems" / "1xtest.json").read_text())
     assert systems["system_name"] == "1xtest" and systems["division"] == "open"
+    # the trainer publishes device_name "cpu" on the CPU: no accelerator is claimed
+    assert systems["accelerators_per_node"] == "0" and systems["accelerator_model_name"] == ""
 
 
 def test_exit_at_target_logs_success_and_halts_the_run(tmp_path):

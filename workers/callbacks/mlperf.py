@@ -299,7 +299,8 @@ def get_system_description(
     """MLPerf's system description, filled in as far as this machine tells (check it by
     hand before submitting). Reads no accelerator: a worker must not claim GPU memory."""
     is_cuda = device.startswith("cuda")
-    accelerator = device_name or (_gpu_model() if is_cuda else "")
+    # the trainer publishes device_name "cpu" on the CPU: that is no accelerator
+    accelerator = (device_name or _gpu_model()) if is_cuda else ""
     cpu = _cpu_model()
     desc: dict[str, Any] = {
         "submitter": submitter,
