@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from offloop.trainer.batches import pair
+from offloop.trainer.grads import GradBuffer
 
 __all__ = ["StepReadings", "describe_optimizer"]
 
@@ -38,10 +39,12 @@ class StepReadings:
         self._names = [name for name, _ in named_parameters]
         self.params = [param for _, param in named_parameters]
 
-    def grad_norms(self) -> dict[str, Any]:
-        """Global gradient L2 norm from per-parameter norms, computed on the device (no
-        sync): without the contiguous buffer, or when per-parameter norms are asked for
-        (with the buffer and without them, the loop reads the buffer's one-op norm)."""
+    def grad_norms(self, buffer: GradBuffer | None = None) -> dict[str, Any]:
+        """What `grad_norms` publishes: the contiguous buffer's one-op global norm where
+        there is a buffer and no per-parameter norms are asked for; otherwise the global
+        norm from per-parameter norms, computed on the device (no sync)."""
+        if buffer is not None and not self.per_param_grad_norms:
+            return {"grad_norm": buffer.norm()}
         # backward never builds a graph of the gradients here: they need no detach()
         names, grads = self._names, [p.grad for p in self.params]
         if any(g is None for g in grads):

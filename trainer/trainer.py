@@ -299,14 +299,11 @@ class Trainer:
         if self._scaler is not None:  # Composer unscales before after_train_batch: true norms
             for opt in self.optimizers:
                 self._scaler.unscale_(opt)
-        # the step's loss as snapshots hold it, read once (retained: batch_end is always
-        # built when publishing); with one microbatch, after_loss has read it already
+        # the step's loss, read once for the snapshots (after_loss may have read it already)
         if accum > 1 or loss_out is None:
             loss_out = host(total_loss) if wants(Topic.BATCH_END) or wants(Topic.AFTER_TRAIN_BATCH) else None
         if wants(GRAD_NORMS):  # asked for by name only: a norm is a pass over every gradient
-            grads = self._grads  # the buffer's global norm is one op: no call to readings.grad_norms()
-            snapshot(GRAD_NORMS, now, {"grad_norm": grads.norm()}
-                     if grads is not None and not self.per_param_grad_norms else self._readings.grad_norms())
+            snapshot(GRAD_NORMS, now, self._readings.grad_norms(self._grads))
         if wants(Topic.AFTER_TRAIN_BATCH):
             snapshot(Topic.AFTER_TRAIN_BATCH, now, {"loss": loss_out})
         for opt in self.optimizers:
@@ -339,9 +336,8 @@ class Trainer:
         emit, loss_fn = self.emitter.emit, self.loss_fn
         if loss_fn is None:  # Composer's protocol: the model takes the batch, its loss() scores it
             inputs = micro
-        else:  # an (input, target) pair; batches.pair() names what else it got (its first branch is
-            # inline: this runs every microbatch, and a call is a measurable share of a small
-            # step, docs/benchmarks.md)
+        else:  # an (input, target) pair; batches.pair() names what else it got (its first
+            # branch inline: a call is a measurable share of a small step, docs/benchmarks.md)
             inputs, targets = micro if isinstance(micro, (tuple, list)) and len(micro) == 2 else batches.pair(micro)
         outputs = self.model(inputs)
         emit(Topic.AFTER_FORWARD, now, micro_data)
