@@ -113,10 +113,10 @@ class Publisher:
         for topic in retained:
             _check_topic(topic)
         self._retained = frozenset(retained)
-        # topics encoded when published, each mapped to itself: publish() looks an Event
-        # member up and gets the plain str the wire carries. Changed in place (additions
-        # before removals), so `wants` is the dict's own C `__contains__`: no Python frame
-        self._wanted: dict[str, str] = {topic: topic for topic in self._retained}
+        # topics encoded when published: changed in place (additions before removals), so
+        # `wants` is the set's own C `__contains__`, a call that costs no Python frame (an
+        # Event is a str of its value: it hashes and compares as its topic)
+        self._wanted: set[str] = set(self._retained)
         self.wants = self._wanted.__contains__
         # orders _opens() (publishing thread, a topic's first publish) with the service
         # thread's update of _wanted/_single: neither may undo the other's half
@@ -260,12 +260,8 @@ class Publisher:
         test, a clock read and an append; numbering and encoding happen at release().
         Held events are published from one thread at a time (the loop's).
         """
-        name = self._wanted.get(topic)
-        if name is None:
-            name = self._opens(topic) if self._open_prefixes else None
-            if name is None:
-                return False
-        topic = name
+        if topic not in self._wanted and not (self._open_prefixes and self._opens(topic)):
+            return False
         if self._holding:
             held = self._held
             if ts is self._held_ts:  # the same Timestamp's tuple as the entry before: packed once
@@ -329,20 +325,19 @@ class Publisher:
             return False
         return True
 
-    def _opens(self, topic: str) -> str | None:
-        """A topic outside RUN_TOPICS that an open prefix selects: wanted from now on; the
-        plain str it is published under, or None. Raises WireError for a reserved or
-        malformed topic (nothing else checks them: every topic in `_wanted` has been checked once)."""
+    def _opens(self, topic: str) -> bool:
+        """A topic outside RUN_TOPICS that an open prefix selects: wanted from now on.
+        Raises WireError for a reserved or malformed topic (nothing else checks them:
+        every topic in `_wanted` has been checked once)."""
         if not self._open_prefixes or not topic.startswith(self._open_prefixes):
-            return None
+            return False
         _check_topic(topic)
-        topic = str.__str__(topic)  # an Event or other str subclass: its plain value
         with self._wanted_lock:
             self._seen_topics.add(topic)
             if self._single_prefixes and topic.startswith(self._single_prefixes):
                 self._single = self._single | {topic}
-            self._wanted[topic] = topic  # last: where it goes is known before it is wanted
-        return topic
+            self._wanted.add(topic)  # last: where it goes is known before it is wanted
+        return True
 
     def hold(self, interval: float = 0.0) -> None:
         """From now on, publish() keeps each event and numbers, encodes and sends it only
@@ -513,10 +508,9 @@ class Publisher:
             self._single, self._single_prefixes = frozenset(single), prefixes
             self._burst = burst
             self._open_prefixes = ("",) if burst else prefixes
-            current = self._wanted  # in place, additions first: no topic still wanted goes missing
-            current.update(zip(wanted, wanted, strict=True))
-            for topic in current.keys() - wanted:
-                del current[topic]
+            current = self._wanted  # in place, each step one C call: no topic still wanted goes missing
+            current |= wanted
+            current -= current - wanted
 
     def _answer(self, router: zmq.Socket, heartbeat: zmq.Socket) -> None:
         while router.poll(0):

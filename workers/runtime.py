@@ -163,10 +163,12 @@ class Worker:
         event = state._update(msg) or topic
         stats, sub = self.stats, self._sub
         stats.events += 1
-        if sub is not None and (sub.stats.gaps != stats.gaps or sub.publisher_drops != state.publisher_drops):
+        if sub is not None:
             if sub.stats.gaps != stats.gaps:
                 self._note_gaps()
-            state._set(gaps=stats.gaps, publisher_drops=sub.publisher_drops)
+                state._set(gaps=stats.gaps)
+            if sub.publisher_drops != state.publisher_drops:  # from the latest heartbeat
+                state._set(publisher_drops=sub.publisher_drops)
         state._set(events_received=stats.events)
         for callback in self._recorders:
             callback.record(msg)

@@ -73,7 +73,8 @@ class State:
             "memory": FrozenDict({}), "eval_metrics": FrozenDict({}),
             "dataloader_label": None, "outputs": None, "targets": None, "data": FrozenDict({}),
             "rank": 0, "wall_time": 0.0, "dataloader_len": None, "world_size": 1,
-            "last_checkpoint": None, "stopped_by": None, "gaps": 0, "events_received": 0, "publisher_drops": None, "samples": None, "flops": None,
+            "last_checkpoint": None, "stopped_by": None, "samples": None, "flops": None,
+            "gaps": 0, "events_received": 0, "publisher_drops": None,
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)

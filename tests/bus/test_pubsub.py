@@ -156,7 +156,7 @@ def test_tail_loss_is_counted_from_heartbeats(publisher):
     publisher.publish("batch_end", (0, 1, 1, 1, 0), {})
     assert sub.recv(timeout=2).tseq == publisher._tseq["batch_end"]
     # Messages the subscriber never sees: sent while it is not subscribed to them.
-    publisher._wanted = {t: t for t in publisher._wanted if t != "batch_end"}
+    publisher._wanted = publisher._wanted - {"batch_end"}
     publisher._retained = frozenset()
     hidden = Publisher.publish.__get__(publisher)
     publisher._tseq["batch_end"] += 5  # five sends lost in flight (as a full queue would)
@@ -343,3 +343,15 @@ def test_reserved_topics_are_refused_and_unencodable_held_events_are_counted_not
             sub.recv(timeout=0.05)
         assert sub.stats.gaps == 2  # their sequence numbers were spent: counted lost
         publisher.release(stop_holding=True)
+
+
+def test_an_event_member_is_published_under_its_topic(publisher):
+    from offloop.bus import Event
+
+    sub = Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
+                     topics=["batch_end"], settle=0.05)
+    sub.connect()
+    assert publisher.wants(Event.BATCH_END) and publisher.publish(Event.BATCH_END, (0, 1, 1, 1, 0), {"loss": 1.0})
+    msg = sub.recv(timeout=2)
+    assert msg is not None and type(msg.topic) is str and msg.topic == "batch_end" and msg.data == {"loss": 1.0}
+    sub.close()
