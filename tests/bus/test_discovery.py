@@ -26,11 +26,24 @@ def info(name="alpha", **kw):
                               "control": "tcp://127.0.0.1:3"}, **kw)
 
 
-def test_write_is_atomic_and_owner_only(tmp_path):
+def test_write_is_owner_only_and_leaves_no_temporary_file(tmp_path):
     path = write_run_info(tmp_path / "alpha", info())
     assert json.loads(path.read_text())["run_name"] == "alpha"
     assert oct((tmp_path / "alpha").stat().st_mode & 0o777) == "0o700"
     assert [p.name for p in (tmp_path / "alpha").iterdir()] == ["run.json"]  # no temp left
+
+
+def test_a_writer_killed_inside_the_write_leaves_run_json_whole_and_the_run_findable(spawn, tmp_path):
+    child = spawn("killed_mid_write", "run_info", tmp_path / "alpha")
+    first = child.line(timeout=60)["first"]
+    inside = child.line(timeout=60)["inside"]  # half of the second version is on disk
+    child.popen.kill()
+    assert child.wait() == -9
+    assert inside != first  # the half-written bytes went to a file of their own
+    assert read_run_info(tmp_path / "alpha").started == 1.0  # the first version, whole
+    assert [run.run_name for run in list_runs(tmp_path)] == ["crash"]  # the leftover is no run
+    write_run_info(tmp_path / "alpha", info())  # and the next write replaces it as usual
+    assert read_run_info(tmp_path / "alpha").run_name == "alpha"
 
 
 def test_find_by_directory_and_by_name(tmp_path):

@@ -62,7 +62,7 @@ def test_halt_stops_after_the_current_batch_and_closes_the_run(tmp_path):
     assert events[-1][2]["stopped_by"]["reason"] == "test"
 
 
-def test_checkpoint_is_written_atomically_acked_and_announced(tmp_path):
+def test_checkpoint_is_written_acked_and_announced_with_no_temporary_file_left(tmp_path):
     trainer, acks, events = gated_run(tmp_path, 20, [("checkpoint", {"tag": "mid"})])
     ack = acks["checkpoint"]
     assert ack.ok and ack.result["step"] == 3
@@ -74,6 +74,17 @@ def test_checkpoint_is_written_atomically_acked_and_announced(tmp_path):
     order = [t for t, ts, _ in events if ts[1] == 3]
     assert order.index("batch_checkpoint") < order.index("checkpoint_saved")
     assert trainer.timestamp.batch == 24  # training went on
+
+
+def test_a_process_killed_inside_a_checkpoint_write_leaves_the_checkpoint_before_it_whole(spawn, tmp_path):
+    child = spawn("killed_mid_write", "checkpoint", tmp_path)
+    first = Path(child.line(timeout=60)["first"])
+    inside = child.line(timeout=60)["inside"]  # half of the new one is on disk
+    child.popen.kill()
+    assert child.wait() == -9
+    assert Path(inside) != first  # the half-written bytes went to a file of their own
+    assert torch.load(first, weights_only=True)["version"].item() == 1  # the old one, whole
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".pt") == [first.name]
 
 
 def test_unwritable_checkpoint_folder_fails_cleanly_and_training_goes_on(tmp_path):
