@@ -14,6 +14,7 @@ import uuid
 import torch
 import torchmetrics
 from helpers.compose_local import ROOT, compose_config, read_yaml
+from helpers.exporter_feed import ExporterFeed
 from helpers.prometheus_server import Prometheus, free_port, scrape, scrape_config
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
@@ -28,7 +29,8 @@ PROVISIONING = ROOT / "deploy/grafana/provisioning"
 PROMQL = {"rate", "irate", "increase", "sum", "max", "min", "avg", "by", "without", "max_over_time",
           "min_over_time", "avg_over_time", "delta", "deriv", "time", "timestamp", "label_values",
           "offset", "and", "or", "unless", "on", "ignoring", "group_left", "group_right", "clamp_min"}
-#: series only a run on a GPU has (checked with CUDA allocator counters in test_prometheus.py)
+#: series only a run on a GPU has: a CPU run leaves them empty, so their panels are checked
+#: by test_gpu_panels_are_answered_from_a_stream_carrying_cuda_allocator_counters
 GPU_ONLY = {"offloop_gpu_memory_allocated_bytes", "offloop_gpu_memory_reserved_bytes",
             "offloop_gpu_memory_max_allocated_bytes"}
 
@@ -212,3 +214,36 @@ def test_every_dashboard_query_is_answered_from_a_real_run(tmp_path):
             continue
         assert names <= with_samples, f"panel {title}: {expr}: {names - with_samples} had no samples"
         assert result, f"panel {title}: {expr} answered nothing from a real run"
+
+
+def test_gpu_panels_are_answered_from_a_stream_carrying_cuda_allocator_counters(tmp_path):
+    """The GPU-only panels, which a CPU run cannot fill: an exporter fed the batch_end snapshots
+    a CUDA run publishes (its allocator counters under `memory`), scraped by a real Prometheus."""
+    gpu_panels = [(title, expr) for title, expr in _targets(json.loads(DASHBOARD.read_text()))
+                  if _metric_names(expr) & GPU_ONLY]
+    assert gpu_panels, "the dashboard has no GPU memory panel"
+    port, run = free_port(), f"gpu-{uuid.uuid4().hex[:6]}"
+    exporter = PrometheusExporter(port=port, linger=0)
+    feed = ExporterFeed(exporter, run)
+    config = {"run_name": run, "device_name": "NVIDIA H100 80GB HBM3", "precision": "amp_bf16"}
+    started = time.time()
+    feed.event("init", started, (0, 0, 0, 0, 0), config=config)
+    feed.event("fit_start", started, (0, 0, 0, 0, 0), config=config)
+    memory = {"allocated_bytes": 1 << 30, "reserved_bytes": 2 << 30, "max_allocated_bytes": 3 << 30}
+    try:
+        with Prometheus(tmp_path / "prometheus", scrape_config([f"127.0.0.1:{port}"])) as prom:
+            for step in range(1, 6):  # several scrapes see the counters
+                feed.event("batch_end", time.time(), (0, step, step, 32 * step, 0), loss=1.0, lr=[0.1],
+                           memory=memory)
+                prom.wait_for(f'offloop_step{{run="{run}"}}',
+                              lambda r, step=step: r and float(r[0]["value"][1]) == step)
+            for title, expr in gpu_panels:
+                result = prom.api("query_range", query=_concrete(expr, run), start=started,
+                                  end=time.time(), step="0.5")["result"]
+                assert result, f"panel {title}: {expr} answered nothing from a stream with GPU memory"
+                values = {float(v) for series in result for _, v in series["values"]}
+                want = {float(memory[name.removeprefix("offloop_gpu_memory_")])
+                        for name in _metric_names(expr) & GPU_ONLY}
+                assert values == want, f"panel {title}: {expr} gave {values}, the stream carried {want}"
+    finally:
+        exporter.close(feed.state, feed.logger)

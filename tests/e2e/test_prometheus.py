@@ -10,33 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.exporter_feed import ExporterFeed
 from helpers.prometheus_server import Prometheus, free_port, scrape, scrape_config
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
-from offloop.bus import Message
 from offloop.trainer import Trainer
 from offloop.workers import Callback, Worker
 from offloop.workers.callbacks import PrometheusExporter
 from offloop.workers.callbacks.prometheus import METRICS
-from offloop.workers.logger import Logger
-from offloop.workers.state import State
-
-
-class _Feed:
-    """Drives one exporter with synthetic messages through a real State, as a worker would."""
-
-    def __init__(self, exporter: PrometheusExporter, run: str) -> None:
-        self.exporter, self.run = exporter, run
-        self.state = State()
-        self.logger = Logger(self.state, [])
-        self.seq = 0
-
-    def event(self, topic: str, t: float, ts: tuple, **data) -> None:
-        self.seq += 1
-        self.state._update(Message(topic, "event", self.run, "pub", 0, self.seq, self.seq, t, ts, data))
-        if topic != "grad_norms":  # it only updates the state, as in a worker
-            getattr(self.exporter, topic)(self.state, self.logger)
 
 
 def _families(url: str) -> dict:
@@ -52,7 +34,7 @@ def _value(families: dict, name: str, **labels) -> float:
 
 def test_metrics_follow_prometheus_conventions_and_render_the_latest_snapshot(free_port):
     exporter = PrometheusExporter(port=free_port)
-    feed = _Feed(exporter, "synthetic")
+    feed = ExporterFeed(exporter, "synthetic")
     url = f"http://127.0.0.1:{free_port}/metrics"
     t = time.time() - 10.0
     config = {"run_name": "synthetic", "device_name": "NVIDIA H100 80GB HBM3", "precision": "amp_bf16"}
@@ -125,7 +107,7 @@ def test_the_lingered_for_scrape_is_written_whole_before_close_returns(free_port
     once the server has written that response (its body closed): the worker process that
     exits right after close() can no longer cut the one scrape Prometheus needed."""
     exporter = PrometheusExporter(port=free_port, linger=10)
-    feed = _Feed(exporter, "lingering")
+    feed = ExporterFeed(exporter, "lingering")
     t = time.time() - 5.0
     feed.event("init", t, (0, 0, 0, 0, 0), config={"run_name": "lingering"})
     feed.event("batch_end", t + 1, (0, 3, 3, 96, 0), loss=0.5, lr=[0.1], batch_size=32)
