@@ -1,8 +1,11 @@
-"""docker-compose.yml: valid for Compose, and its topology working end to end.
+"""docker-compose.yml: valid for Compose, and its services' commands working together.
 
 No Docker engine runs here, so the smoke test runs each of the project's own services'
 commands as local processes with the file's environment (tests/helpers/compose_local.py
 says what is mapped), and Debian's Prometheus with deploy/prometheus.yml's scrape job.
+What it does not cover: the image build, the container network (host names are mapped to
+127.0.0.1), `depends_on` ordering (the test starts the services in its own order), and
+Grafana (its dashboard is checked by test_dashboard.py against Prometheus, not a Grafana).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def test_compose_file_is_valid_and_keeps_the_trainer_on_the_compose_network():
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-def test_compose_topology_trains_monitors_halts_exports_and_is_scraped(tmp_path):
+def test_compose_services_run_as_local_processes_train_monitor_halt_export_and_are_scraped(tmp_path):
     exporter_port = free_port()
     config, _ = compose_config(env={"OFFLOOP_EXPORTER_PORT": str(exporter_port)})
     services = config["services"]
