@@ -7,7 +7,8 @@ mid-run gets the run config and the latest message of every topic at once.
 Sockets, all owned here::
 
     publishing thread  XPUB (NODROP, HWM = queue_size) --inproc--+
-    service thread     XPUB (heartbeats, sees subscriptions) ----+--> XSUB ==proxy(C)==> XPUB tcp  (events)
+      (events; heartbeats too, sent by the service thread under the send lock)
+    service thread     XPUB (sees subscriptions) ----------------+--> XSUB ==proxy(C)==> XPUB tcp  (events)
     service thread     ROUTER tcp (late-join state, run info, ping)                                 (state)
 
 The proxy runs in libzmq without the GIL, so the publishing thread pays one
@@ -181,8 +182,8 @@ class Publisher:
         if self._curve is not None:
             self._curve.apply(router)
         state = self._bind(router, self._state_port)
-        heartbeat = ctx.socket(zmq.XPUB)
-        heartbeat.connect(self._inproc)
+        watcher = ctx.socket(zmq.XPUB)
+        watcher.connect(self._inproc)
         stop = ctx.socket(zmq.PAIR)
         stop.bind(self._inproc + "-stop")
         self._stop = ctx.socket(zmq.PAIR)
@@ -198,7 +199,7 @@ class Publisher:
         self._threads = [
             threading.Thread(target=_run_proxy, args=(front, back, proxy_ctl), daemon=True,
                              name="offloop-proxy"),
-            threading.Thread(target=self._serve, args=(heartbeat, router, stop), daemon=True,
+            threading.Thread(target=self._serve, args=(watcher, router, stop), daemon=True,
                              name="offloop-publisher"),
         ]
         for thread in self._threads:
@@ -435,31 +436,31 @@ class Publisher:
 
     # ------------------------------------------------------- service thread
 
-    def _serve(self, heartbeat: zmq.Socket, router: zmq.Socket, stop: zmq.Socket) -> None:
+    def _serve(self, watcher: zmq.Socket, router: zmq.Socket, stop: zmq.Socket) -> None:
         poller = zmq.Poller()
-        for sock in (heartbeat, router, stop):
+        for sock in (watcher, router, stop):
             poller.register(sock, zmq.POLLIN)
         next_beat = time.monotonic()
         try:
             while True:
                 now = time.monotonic()
                 if now >= next_beat:
-                    self._beat(heartbeat)
+                    self._beat()
                     next_beat = now + self.heartbeat_interval
                 wait = max(0.0, next_beat - time.monotonic())
                 if self._holding:
                     wait = min(wait, _STALL_CHECK)
                 ready = dict(poller.poll(wait * 1000))
                 self._release_stalled()
-                if heartbeat in ready:
-                    self._track_subscriptions(heartbeat)
+                if watcher in ready:
+                    self._track_subscriptions(watcher)
                 if router in ready:
-                    self._answer(router, heartbeat)
+                    self._answer(router, watcher)
                 if stop in ready:
-                    self._final_beats(heartbeat, float(stop.recv()))
+                    self._final_beats(float(stop.recv()))
                     return
         finally:
-            for sock in (heartbeat, router, stop):
+            for sock in (watcher, router, stop):
                 sock.close(linger=0)
 
     def _release_stalled(self) -> None:
@@ -469,26 +470,31 @@ class Publisher:
                 >= max(self._hold_interval, _STALL_CHECK):
             self.release()
 
-    def _beat(self, heartbeat: zmq.Socket, final: bool = False) -> None:
+    def _beat(self, final: bool = False) -> None:
+        """One heartbeat, sent down the events' own pipe under _send_lock: it leaves behind
+        every event numbered before it, so no subscriber sees a heartbeat overtake events
+        it announces and counts them lost (then duplicated) while they are still queued."""
         self.beats += 1
-        with self._send_lock:  # what has been sent: no release is half-way through
-            seq, tseq = self.seq, dict(self._tseq)
-        heartbeat.send(encode_heartbeat(self.run_id, self.publisher_id, self.rank, seq,
-                                        tseq, self.drops, self.heartbeat_interval,
-                                        self.beats, final))
+        with self._send_lock:
+            beat = encode_heartbeat(self.run_id, self.publisher_id, self.rank, self.seq, dict(self._tseq),
+                                    self.drops, self.heartbeat_interval, self.beats, final)
+            try:
+                self._tx.send(beat, zmq.NOBLOCK)
+            except zmq.Again:  # the queue is full of events: the next heartbeat says it all
+                pass
 
-    def _final_beats(self, heartbeat: zmq.Socket, linger: float) -> None:
+    def _final_beats(self, linger: float) -> None:
         # Several final heartbeats, so one lost to a full subscriber queue is not the last word.
         deadline = time.monotonic() + linger
         while True:
-            self._beat(heartbeat, final=True)
+            self._beat(final=True)
             if time.monotonic() >= deadline:
                 return
             time.sleep(min(0.1, linger))
 
-    def _track_subscriptions(self, heartbeat: zmq.Socket) -> None:
-        while heartbeat.poll(0):
-            change = heartbeat.recv()
+    def _track_subscriptions(self, watcher: zmq.Socket) -> None:
+        while watcher.poll(0):
+            change = watcher.recv()
             if not change:
                 continue
             (self._subscriptions.add if change[0] == 1 else self._subscriptions.discard)(change[1:])
@@ -512,7 +518,7 @@ class Publisher:
             current |= wanted
             current -= current - wanted
 
-    def _answer(self, router: zmq.Socket, heartbeat: zmq.Socket) -> None:
+    def _answer(self, router: zmq.Socket, watcher: zmq.Socket) -> None:
         while router.poll(0):
             frames = router.recv_multipart(copy=False)
             identity, body = frames[0].bytes, frames[-1]
@@ -530,12 +536,13 @@ class Publisher:
             if kind == "state_req":
                 self.state_requests += 1
                 # The joiner trusts this state only once it has received the heartbeat sent
-                # just before it: that proves its subscriptions had reached both upstream
-                # sockets. Then the wanted set is refreshed, and the publishing socket gets
+                # just before it: it passed the publishing socket's filter, so the joiner's
+                # subscriptions had reached that socket (the proxy writes them to the
+                # watcher's pipe in the same call). Then the wanted set is refreshed, and the publishing socket gets
                 # time to apply them (libzmq applies subscriptions on a send at most once
                 # per ~1 ms), so nothing published after the state is filtered out.
-                self._beat(heartbeat)
-                self._track_subscriptions(heartbeat)
+                self._beat()
+                self._track_subscriptions(watcher)
                 time.sleep(_SUBSCRIPTION_SETTLE)
                 with self._send_lock:  # what is held leaves first: the state then has it
                     self._release_held()
