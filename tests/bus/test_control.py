@@ -12,18 +12,28 @@ from offloop.bus.wire import encode_request
 
 
 def test_lost_first_attempt_is_applied_exactly_once_and_a_duplicate_gets_the_same_ack(
-        spawn, free_port):
-    # The server binds 0.5 s after the client starts (the first attempt is lost with its
-    # socket), then lets requests queue for another 0.5 s before it polls at all.
-    server = spawn("control_server", free_port, 0.5, 0.5, 4.0)
+        spawn, free_port, tmp_path):
+    # The server binds only once the client's first attempt is lost with its socket (the
+    # client has moved on to a second), then lets retries queue behind the request before
+    # it polls at all (control_server.py waits for its own duplicate count).
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = spawn("control_server", free_port, tmp_path)
     client = ControlClient(f"tcp://127.0.0.1:{free_port}", client_id="client-a")
-    ack = client.request("checkpoint", {"tag": "best"}, timeout=15, retry=0.2)
-    assert client.attempts >= 2
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(client.request, "checkpoint", {"tag": "best"}, timeout=30, retry=0.2)
+        deadline = time.monotonic() + 30
+        while client.attempts < 2 and not asked.done() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert client.attempts >= 2, "the client never retried"
+        (tmp_path / "bind").touch()
+        assert "bound" in server.line()
+        ack = asked.result(timeout=40)
     assert ack.ok and ack.result == {"step": 42, "path": "/ckpt/1.pt"}
     again = ControlClient(f"tcp://127.0.0.1:{free_port}", client_id="client-a")
     duplicate = again.request("checkpoint", {"tag": "best"}, timeout=5, req=ack.req)
     assert duplicate == ack
-    assert "bound" in server.line()
+    (tmp_path / "stop").touch()
     report = server.line(timeout=15)
     assert report["applied"] == [["client-a", ack.req, "checkpoint"]]
     assert report["duplicates"] >= 2  # the queued retries and the explicit duplicate

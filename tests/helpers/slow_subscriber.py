@@ -1,18 +1,30 @@
-"""A subscriber that sleeps on every message, then reports what it counted."""
+"""A subscriber that stops reading: it takes the first event, then reads nothing until the
+file `go` exists (the test makes it once every publish() has returned), says how many it
+had taken by then, drains what reached it and reports what it counted."""
 
 import json
+import os
 import sys
 import time
 
 from offloop.bus import Subscriber
 
-events, state, total, sleep = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-sub = Subscriber(events, state, topics=["batch_end"], rcvhwm=50, heartbeat_timeout=20)
-sub.connect(join_timeout=10)
+events, state, total, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+sub = Subscriber(events, state, topics=["batch_end"], rcvhwm=4, heartbeat_timeout=60)
+sub.connect(join_timeout=20)
 print(json.dumps({"joined": True}), flush=True)
+first = sub.recv(timeout=20)
+print(json.dumps({"first": None if first is None else first.tseq}), flush=True)
+deadline = time.monotonic() + 60
+while not os.path.exists(go) and time.monotonic() < deadline:  # no recv(): its queues fill
+    time.sleep(0.005)
+print(json.dumps({"received": sub.stats.received}), flush=True)
+last = first.tseq if first is not None else 0
 deadline = time.monotonic() + 60
 while sub.stats.received + sub.stats.gaps < total and time.monotonic() < deadline:
-    if sub.recv(timeout=0.2) is not None:
-        time.sleep(sleep)
-print(json.dumps({"received": sub.stats.received, "gaps": sub.stats.gaps,
-                  "duplicates": sub.stats.duplicates}), flush=True)
+    msg = sub.recv(timeout=0.2)
+    if msg is not None:
+        last = msg.tseq
+print(json.dumps({"received": sub.stats.received, "gaps": sub.stats.gaps, "last": last,
+                  "duplicates": sub.stats.duplicates, "publisher_drops": sub.publisher_drops}),
+      flush=True)

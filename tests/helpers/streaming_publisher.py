@@ -1,4 +1,5 @@
-"""Publishes a run: config, one epoch_start, then a batch_end every millisecond."""
+"""Publishes a run: config, one epoch_start, then a batch_end every millisecond; prints its
+endpoints, then {"published": 100} once the 100th batch_end is out."""
 
 import json
 import sys
@@ -16,5 +17,7 @@ start, batch = time.monotonic(), 0
 while time.monotonic() - start < limit:
     batch += 1
     pub.publish("batch_end", (0, batch, batch, batch * 32, 0), {"loss": 1.0 / batch})
+    if batch == 100:
+        print(json.dumps({"published": batch}), flush=True)
     time.sleep(0.001)
 pub.close()

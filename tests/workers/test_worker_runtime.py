@@ -175,12 +175,29 @@ def _wait_for(path: Path, timeout: float = 30) -> None:
         time.sleep(0.02)
 
 
+def _wait_for_batch(run_dir: Path, batch: int, timeout: float = 30) -> None:
+    """Until the run has published the batch_end of `batch`, as a subscriber of our own sees."""
+    from offloop.bus import Subscriber, read_run_info
+
+    endpoints = read_run_info(run_dir).endpoints
+    with Subscriber(endpoints["events"], endpoints["state"], topics=["batch_end"],
+                    heartbeat_timeout=timeout) as sub:
+        state = sub.connect(join_timeout=timeout)
+        if any(entry.ts[1] >= batch for entry in state.entries):
+            return
+        deadline = time.monotonic() + timeout
+        while (msg := sub.recv(timeout=max(0.0, deadline - time.monotonic()))) is not None:
+            if msg.ts[1] >= batch:
+                return
+    raise AssertionError(f"the run never reached batch {batch}")
+
+
 def test_worker_process_joins_a_run_under_way_and_exits_at_fit_end(spawn, tmp_path):
     run_dir = tmp_path / "run"
     trainer = spawn("slow_trainer", run_dir, 60, 0.05)
     trainer.line()
     _wait_for(run_dir / "run.json")
-    time.sleep(0.5)  # let the run get going; the worker must join mid-run
+    _wait_for_batch(run_dir, 2)  # the run is under way: the worker must join mid-run
     report = tmp_path / "probe.json"
     worker = _offloop("worker", str(run_dir), f"helpers.probes:JoinProbe({str(report)!r})", "--quiet")
     out, err = worker.communicate(timeout=60)
