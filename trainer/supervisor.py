@@ -1,75 +1,77 @@
 """Worker processes for a Trainer's `callbacks=[...]`: spawned, awaited, supervised.
 
-Each callback object runs in its own process (multiprocessing "spawn"). The trainer
-waits until every worker is listening before it publishes `init`, never waits on a
-worker while training, reports a worker that dies, and at the end gives each one
-until the run's last `fit_end` has reached it before it closes the stream (a Trainer
-may fit() several times: a worker lives through all of them, and a death between or
-during later fits is reported and restarted like one in the first).
+Each callback object runs in its own process: a program of its own
+(`python -m offloop.workers.spawned`), which never imports the user's main module, so a
+script without a `__main__` guard, code piped to `python -`, `python -c` and notebooks all
+work. The callback travels by value (cloudpickle) over a private socket pair, never over a
+socket another process can reach. The trainer waits until every worker is listening
+before it publishes `init` and raises if one cannot start; it never waits on a worker while
+training, reports a worker that dies, and at the end gives each one until the run's last
+`fit_end` has reached it before it closes the stream (a Trainer may fit() several times: a
+worker lives through all of them, and a death between or during later fits is reported
+and restarted like one in the first).
 
-The worker runtime is a separate program, found by module name: `trainer` never
-imports `workers` (the design brief keeps them independent).
+The worker program is found by module name: `trainer` never imports `workers` (the design
+brief keeps them independent).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-import multiprocessing as mp
-import os
 import pickle
+import socket
+import subprocess
+import sys
 import threading
 import time
-from multiprocessing.connection import wait
-from pathlib import Path
+from multiprocessing.connection import Connection, wait
 from typing import Any
+
+import cloudpickle
 
 from offloop.trainer.errors import ConfigError
 
-__all__ = ["CallbackWorkers", "WORKER_ENTRY", "check_picklable"]
+__all__ = ["CallbackWorkers", "WORKER_PROGRAM", "check_picklable"]
 
-WORKER_ENTRY = "offloop.workers.runtime:serve_trainer_callback"
+WORKER_PROGRAM = "offloop.workers.spawned"
 log = logging.getLogger("offloop.trainer")
 
 
-def _child(entry: str, callback: Any, run_dir: str, conn, keys: str | None,
-           heartbeat_timeout: float, nice: int = 0) -> None:
-    if nice:
-        _lower_priority(nice)
-    module, func = entry.split(":")
-    getattr(importlib.import_module(module), func)(callback, run_dir, conn, keys, heartbeat_timeout)
-
-
-def _lower_priority(nice: int) -> None:
-    """Add `nice` to this process's nice value: to the threads it has already (unpickling
-    the callback imported its modules, which may start thread pools), and, first, to this
-    one, so every thread it starts later (ZeroMQ's among them) inherits it."""
-    try:
-        os.nice(nice)
-        tasks = Path("/proc/self/task")
-        if tasks.is_dir():  # Linux: a nice value belongs to each thread
-            me = threading.get_native_id()
-            for tid in (int(t.name) for t in tasks.iterdir() if t.name.isdigit()):
-                if tid == me:
-                    continue
-                try:
-                    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-                except ProcessLookupError:
-                    pass  # that thread has ended
-    except OSError as exc:
-        log.warning("offloop: callback worker keeps part of the trainer's CPU priority: %s", exc)
-
-
 def check_picklable(callbacks: list) -> None:
-    """Each callback is sent to its worker process by pickle: refuse one that cannot be."""
+    """Each callback is sent to its worker process by value: refuse one that cannot be."""
     for callback in callbacks:
+        _serialized(callback)
+
+
+def _serialized(callback: Any) -> bytes:
+    try:
+        return cloudpickle.dumps([callback])
+    except Exception as exc:
+        raise ConfigError(f"callback {type(callback).__name__} cannot be sent to its worker process: "
+                          f"{type(exc).__name__}: {exc}") from None
+
+
+class _Process:
+    """A worker program's process, with the few calls the supervisor makes."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen, self.pid = popen, popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
         try:
-            pickle.dumps(callback)
-        except Exception as exc:
-            raise ConfigError(
-                f"callback {type(callback).__name__} cannot be sent to its worker process "
-                f"(it must be picklable, and its class importable): {exc}"
-            ) from None
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        self.popen.terminate()
 
 
 class _Worker:
@@ -82,6 +84,7 @@ class _Worker:
         self.gone = False  # its exit has been handled (reported, restarted, or a clean end)
         self.restarts = 0
         self.report: dict = {}
+        self.error = ""  # what the worker said when it could not start
 
 
 class CallbackWorkers:
@@ -99,7 +102,6 @@ class CallbackWorkers:
         self.keys = keys  # the keys folder, when the run has keys: workers use its "workers" key
         self.max_restarts = max_restarts  # per worker; a restarted worker joins from the late-join state
         self.restarts = 0
-        self._ctx = mp.get_context("spawn")
         self._stopping = False
         #: fit_end events the trainer has published; a worker's exit is its end (not a
         #: crash) only once the trainer closes the stream and the worker has handled them all
@@ -114,33 +116,41 @@ class CallbackWorkers:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Spawn every worker and return once each is listening (or has failed)."""
+        """Start every worker and return once each is listening. Raises ConfigError, naming
+        the callback and the cause, if one cannot start: before `init`, not a run without it."""
         if not self.callbacks:
             return
-        check_picklable(self.callbacks)
         for callback in self.callbacks:
             self.workers.append(self._spawn(callback))
         deadline = time.monotonic() + self.ready_timeout
-        while not all(w.ready or not w.process.is_alive() for w in self.workers):
+        while not all(w.ready or w.gone for w in self.workers):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             self._receive(timeout=min(left, 0.5))
         for worker in self.workers:
             if not worker.ready:
-                self._dead(worker, "did not start listening before init")
+                cause = worker.error or (f"its process exited with code {worker.process.exitcode}"
+                                         if worker.gone else f"it did not listen within {self.ready_timeout:g}s")
+                raise ConfigError(f"callback {worker.name} could not be started in its worker process: {cause}")
         self._thread = threading.Thread(target=self._supervise, daemon=True,
                                         name="offloop-supervisor")
         self._thread.start()
 
     def _spawn(self, callback: Any) -> _Worker:
-        parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(target=_child, args=(WORKER_ENTRY, callback, self.run_dir, child, self.keys,
-                                          self.heartbeat_timeout, self.nice),
-                                    name=f"offloop-worker-{type(callback).__name__}", daemon=True)
-        process.start()
-        child.close()
-        return _Worker(callback, process, parent)
+        payload = _serialized(callback)
+        ours, theirs = socket.socketpair()
+        try:
+            popen = subprocess.Popen([sys.executable, "-m", WORKER_PROGRAM, str(theirs.fileno())],
+                                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        settings = {"sys_path": list(sys.path), "run_dir": self.run_dir, "keys": self.keys,
+                    "heartbeat_timeout": self.heartbeat_timeout, "nice": self.nice}
+        conn.send_bytes(pickle.dumps(settings))
+        conn.send_bytes(payload)
+        return _Worker(callback, _Process(popen), conn)
 
     def _restart(self, worker: _Worker) -> None:
         """Start a fresh process for a worker that died; it carries on from the late-join state."""
@@ -155,29 +165,34 @@ class CallbackWorkers:
                     fresh.name, fresh.process.pid, fresh.restarts, self.max_restarts)
 
     def _receive(self, timeout: float) -> None:
-        conns = [w.conn for w in self.workers if not w.conn.closed]
-        # every worker whose exit is not handled yet, alive or not: one that died since the
-        # last call has a ready sentinel, so no death goes unseen
-        sentinels = [w.process.sentinel for w in self.workers if not w.gone]
-        for ready in wait(conns + sentinels, timeout=timeout):
+        # every worker whose exit is not handled yet: its end of the socket pair closes when
+        # its process ends (however it ends), so no death goes unseen
+        conns = [w.conn for w in self.workers if not w.gone]
+        for ready in wait(conns, timeout=timeout):
             for worker in list(self.workers):
-                if ready is worker.conn:
-                    self._message(worker)
-                elif ready == worker.process.sentinel and not worker.gone:
-                    worker.process.join()
-                    worker.gone = True
-                    self._drain(worker)
-                    if not (self.closing and worker.fits_seen >= self.fits):
-                        self._dead(worker, f"exited with code {worker.process.exitcode}")
-                        if worker.ready:
-                            self._restart(worker)
+                if ready is worker.conn and not self._message(worker):
+                    self._ended(worker)
 
-    def _message(self, worker: _Worker) -> None:
+    def _ended(self, worker: _Worker) -> None:
+        """Its socket pair closed: the process is ending; wait for it, then judge the end."""
+        worker.process.join(timeout=30)
+        worker.gone = True
+        if self.closing and worker.fits_seen >= self.fits:
+            return  # its end, not a crash
+        if not worker.ready and self._thread is None:
+            return  # start() raises it
+        self._dead(worker, f"exited with code {worker.process.exitcode}"
+                   + (f" ({worker.error})" if worker.error else ""))
+        if worker.ready:
+            self._restart(worker)
+
+    def _message(self, worker: _Worker) -> bool:
+        """Handle one message; False once the worker's end is closed."""
         try:
             kind, payload = worker.conn.recv()
         except (EOFError, OSError):
             worker.conn.close()
-            return
+            return False
         with self._lock:
             if kind == "ready":
                 worker.ready = True
@@ -185,11 +200,10 @@ class CallbackWorkers:
                 worker.fits_seen = max(worker.fits_seen, int(payload.get("fit") or 1))
                 worker.report = payload
             elif kind == "error":
-                log.warning("offloop: worker %s: %s", worker.name, payload)
-
-    def _drain(self, worker: _Worker) -> None:
-        while not worker.conn.closed and worker.conn.poll(0):
-            self._message(worker)
+                worker.error = str(payload)
+                if worker.ready:  # before that, start() raises it
+                    log.warning("offloop: worker %s: %s", worker.name, payload)
+        return True
 
     def _dead(self, worker: _Worker, why: str) -> None:
         with self._lock:
@@ -235,6 +249,7 @@ class CallbackWorkers:
                 log.warning("offloop: callback worker %s did not exit; terminating it", worker.name)
                 worker.process.terminate()
                 worker.process.join(timeout=5)
-            worker.conn.close()
+            if not worker.conn.closed:
+                worker.conn.close()
         if self._thread is not None:
             self._thread.join(timeout=2)

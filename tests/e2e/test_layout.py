@@ -35,16 +35,15 @@ USER_SCRIPT = textwrap.dedent("""
             with open(self.path, "w") as f:
                 json.dump(self.seen, f)
 
-    if __name__ == "__main__":  # issue 21 lifts the need for the guard
-        torch.manual_seed(0)
-        data = [(torch.randn(4, 8), torch.randint(0, 2, (4,))) for _ in range(6)]
-        trainer = Trainer(torch.nn.Linear(8, 2), data, Time.parse("2ep"),
-                          loss_fn=torch.nn.functional.cross_entropy, run_dir=sys.argv[1],
-                          callbacks=[Tally(sys.argv[2]), LRMonitor()])
-        trainer.fit()
-        trainer.close()
-        print(json.dumps({"batch": trainer.timestamp.batch, "event": Event.BATCH_END.value,
-                          "timestamp": Timestamp.__module__}))
+    torch.manual_seed(0)  # no __main__ guard: the workers never import this script
+    data = [(torch.randn(4, 8), torch.randint(0, 2, (4,))) for _ in range(6)]
+    trainer = Trainer(torch.nn.Linear(8, 2), data, Time.parse("2ep"),
+                      loss_fn=torch.nn.functional.cross_entropy, run_dir=sys.argv[1],
+                      callbacks=[Tally(sys.argv[2]), LRMonitor()])
+    trainer.fit()
+    trainer.close()
+    print(json.dumps({"batch": trainer.timestamp.batch, "event": Event.BATCH_END.value,
+                      "timestamp": Timestamp.__module__}))
 """)
 
 

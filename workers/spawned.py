@@ -1,0 +1,73 @@
+"""The program a Trainer starts for its callbacks: `python -m offloop.workers.spawned FD`.
+
+Promise: the user's main module is never imported again. The callbacks arrive by value
+(cloudpickled, as loky, Dask and Ray send them) over a private socket pair inherited from
+the trainer that started this process, so callbacks defined in a script without a
+`__main__` guard, in `python -`/`python -c` code or in a notebook cell work, and the
+user's code runs once. A callback that cannot be rebuilt here is reported to the trainer
+in one line before training starts.
+
+On the socket pair (`multiprocessing.connection` framing, nothing else can reach it):
+trainer -> here: the settings (a pickled dict of plain values: `sys_path`, `run_dir`,
+`keys`, `heartbeat_timeout`, `nice`), then the callbacks (cloudpickled list);
+here -> trainer: ("ready", None), ("fit_end", stats), ("error", message).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+log = logging.getLogger("offloop.worker")
+
+
+def main(argv: list[str] | None = None) -> None:
+    fd = int((argv if argv is not None else sys.argv[1:])[0])
+    os.set_inheritable(fd, False)  # a process the callbacks start must not hold the trainer's pipe
+    conn = Connection(fd)
+    settings = pickle.loads(conn.recv_bytes())
+    if settings["nice"]:
+        lower_priority(settings["nice"])
+    # the trainer's import path first: callbacks pickled by reference (a module beside the
+    # user's script, an installed package) are found where the trainer found them
+    sys.path[:] = settings["sys_path"] + [p for p in sys.path if p not in settings["sys_path"]]
+    try:
+        import cloudpickle
+
+        callbacks = cloudpickle.loads(conn.recv_bytes())
+    except Exception as exc:  # its class cannot be rebuilt here: said in one line, no traceback
+        conn.send(("error", f"cannot be rebuilt in its worker process: {type(exc).__name__}: {exc}"))
+        raise SystemExit(2) from None
+    from offloop.workers.runtime import serve_trainer_callback
+
+    serve_trainer_callback(callbacks[0], settings["run_dir"], conn, settings["keys"],
+                           settings["heartbeat_timeout"])
+
+
+def lower_priority(nice: int) -> None:
+    """Add `nice` to this process's nice value: first to this thread, so every thread it
+    starts later (ZeroMQ's, and any that importing the callbacks starts) inherits it, then
+    to the threads it has already."""
+    try:
+        os.nice(nice)
+        tasks = Path("/proc/self/task")
+        if tasks.is_dir():  # Linux: a nice value belongs to each thread
+            me = threading.get_native_id()
+            for tid in (int(t.name) for t in tasks.iterdir() if t.name.isdigit()):
+                if tid == me:
+                    continue
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+                except ProcessLookupError:
+                    pass  # that thread has ended
+    except OSError as exc:
+        log.warning("offloop: callback worker keeps part of the trainer's CPU priority: %s", exc)
+
+
+if __name__ == "__main__":
+    main()
