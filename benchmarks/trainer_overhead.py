@@ -209,7 +209,8 @@ class TrainerLoop:
         model, opt = make_model(size)
         self.run_dir = tempfile.mkdtemp(prefix="offloop-bench-")
         self.reports = [os.path.join(self.run_dir, f"heavy-{i}.json") for i in range(workers)]
-        callbacks = callbacks + [heavy(path) for path in self.reports] if heavy else callbacks
+        # each heavy callback in a process of its own (by default they would share one)
+        callbacks = callbacks + [heavy(path).in_own_process() for path in self.reports] if heavy else callbacks
         self.loader = Blocks(batches)
         self.trainer = Trainer(model, self.loader, max_duration="1ba", loss_fn=F.cross_entropy,
                                optimizers=opt, run_dir=self.run_dir, callbacks=callbacks,

@@ -64,7 +64,7 @@ class Subscriber:
         *,
         topics: Iterable[str] | None = None,
         heartbeat_timeout: float = 5.0,
-        settle: float = 0.25,
+        settle: float = 0.0,
         rcvhwm: int = 10_000,
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
@@ -73,6 +73,9 @@ class Subscriber:
         self.events_endpoint, self.state_endpoint = events, state
         self.topics = None if topics is None else frozenset(str(t) for t in topics)
         self.heartbeat_timeout = heartbeat_timeout
+        # seconds a heartbeat waits before its loss is counted: none is needed, since a
+        # heartbeat cannot overtake the events it announces (they share one pipe); a
+        # subscriber of several publishers' streams through a relay may want a margin
         self.settle = settle
         self.limits = limits
         self.stats = SubscriberStats()

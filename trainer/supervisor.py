@@ -1,6 +1,8 @@
 """Worker processes for a Trainer's `callbacks=[...]`: spawned, awaited, supervised.
 
-Each callback object runs in its own process: a program of its own
+The callbacks share one worker process and run there in order, as Composer runs them;
+one that asks (`callback.in_own_process()`) gets a process of its own, or shares a named
+one. Each process is a program of its own
 (`python -m offloop.workers.spawned`), which never imports the user's main module, so a
 script without a `__main__` guard, code piped to `python -`, `python -c` and notebooks all
 work. The callback travels by value (cloudpickle) over a private socket pair, never over a
@@ -31,10 +33,20 @@ import cloudpickle
 
 from offloop.trainer.errors import ConfigError
 
-__all__ = ["CallbackWorkers", "WORKER_PROGRAM", "check_picklable"]
+__all__ = ["CallbackWorkers", "WORKER_PROGRAM", "check_picklable", "process_groups"]
 
 WORKER_PROGRAM = "offloop.workers.spawned"
 log = logging.getLogger("offloop.trainer")
+
+
+def process_groups(callbacks: list) -> list[list]:
+    """The callbacks as their worker processes will run them: every callback without a
+    `process_group` in one process, in the order given (as Composer runs them), first; then
+    one process per group name, in the order the names first appear."""
+    groups: dict[str | None, list] = {None: []}
+    for callback in callbacks:
+        groups.setdefault(getattr(callback, "process_group", None), []).append(callback)
+    return [group for group in groups.values() if group]
 
 
 def check_picklable(callbacks: list) -> None:
@@ -45,7 +57,7 @@ def check_picklable(callbacks: list) -> None:
 
 def _serialized(callback: Any) -> bytes:
     try:
-        return cloudpickle.dumps([callback])
+        return cloudpickle.dumps(callback)
     except Exception as exc:
         raise ConfigError(f"callback {type(callback).__name__} cannot be sent to its worker process: "
                           f"{type(exc).__name__}: {exc}") from None
@@ -75,9 +87,10 @@ class _Process:
 
 
 class _Worker:
-    def __init__(self, callback: Any, process, conn) -> None:
-        self.callback, self.process, self.conn = callback, process, conn
-        self.name = type(callback).__name__
+    def __init__(self, callbacks: list, process, conn) -> None:
+        self.callbacks, self.process, self.conn = callbacks, process, conn
+        self.names = [type(callback).__name__ for callback in callbacks]
+        self.name = "+".join(self.names)
         self.ready = False
         self.fits_seen = 0  # the number of the last fit whose fit_end it has handled
         self.reported_dead = False
@@ -85,10 +98,11 @@ class _Worker:
         self.restarts = 0
         self.report: dict = {}
         self.error = ""  # what the worker said when it could not start
+        self.error_of: str = self.name  # the callback it was about (or all of them)
 
 
 class CallbackWorkers:
-    """One process per callback; see the module docstring."""
+    """One process per group of callbacks; see the module docstring."""
 
     def __init__(self, callbacks: list, run_dir: str, ready_timeout: float = 120.0,
                  keys: str | None = None, max_restarts: int = 3,
@@ -120,8 +134,8 @@ class CallbackWorkers:
         the callback and the cause, if one cannot start: before `init`, not a run without it."""
         if not self.callbacks:
             return
-        for callback in self.callbacks:
-            self.workers.append(self._spawn(callback))
+        for group in process_groups(self.callbacks):
+            self.workers.append(self._spawn(group))
         deadline = time.monotonic() + self.ready_timeout
         while not all(w.ready or w.gone for w in self.workers):
             left = deadline - time.monotonic()
@@ -132,13 +146,13 @@ class CallbackWorkers:
             if not worker.ready:
                 cause = worker.error or (f"its process exited with code {worker.process.exitcode}"
                                          if worker.gone else f"it did not listen within {self.ready_timeout:g}s")
-                raise ConfigError(f"callback {worker.name} could not be started in its worker process: {cause}")
+                raise ConfigError(f"callback {worker.error_of} could not be started in its worker process: {cause}")
         self._thread = threading.Thread(target=self._supervise, daemon=True,
                                         name="offloop-supervisor")
         self._thread.start()
 
-    def _spawn(self, callback: Any) -> _Worker:
-        payload = _serialized(callback)
+    def _spawn(self, callbacks: list) -> _Worker:
+        payloads = [_serialized(callback) for callback in callbacks]
         ours, theirs = socket.socketpair()
         try:
             popen = subprocess.Popen([sys.executable, "-m", WORKER_PROGRAM, str(theirs.fileno())],
@@ -147,16 +161,17 @@ class CallbackWorkers:
             theirs.close()
         conn = Connection(ours.detach())
         settings = {"sys_path": list(sys.path), "run_dir": self.run_dir, "keys": self.keys,
-                    "heartbeat_timeout": self.heartbeat_timeout, "nice": self.nice}
+                    "heartbeat_timeout": self.heartbeat_timeout, "nice": self.nice, "count": len(payloads)}
         conn.send_bytes(pickle.dumps(settings))
-        conn.send_bytes(payload)
-        return _Worker(callback, _Process(popen), conn)
+        for payload in payloads:
+            conn.send_bytes(payload)
+        return _Worker(callbacks, _Process(popen), conn)
 
     def _restart(self, worker: _Worker) -> None:
         """Start a fresh process for a worker that died; it carries on from the late-join state."""
         if self._stopping or worker.restarts >= self.max_restarts:
             return
-        fresh = self._spawn(worker.callback)
+        fresh = self._spawn(worker.callbacks)
         fresh.restarts = worker.restarts + 1
         with self._lock:
             self.workers[self.workers.index(worker)] = fresh
@@ -200,9 +215,10 @@ class CallbackWorkers:
                 worker.fits_seen = max(worker.fits_seen, int(payload.get("fit") or 1))
                 worker.report = payload
             elif kind == "error":
-                worker.error = str(payload)
+                index, worker.error = payload
+                worker.error_of = worker.names[index] if index is not None else worker.name
                 if worker.ready:  # before that, start() raises it
-                    log.warning("offloop: worker %s: %s", worker.name, payload)
+                    log.warning("offloop: worker %s: %s", worker.name, worker.error)
         return True
 
     def _dead(self, worker: _Worker, why: str) -> None:

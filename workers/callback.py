@@ -29,6 +29,19 @@ class Callback:
 
     _control: Any = None  # set by the worker runtime (a ControlClient, or a replay recorder)
     control_timeout: float = 60.0
+    #: The worker process a Trainer runs this callback in: None for the one all such
+    #: callbacks share, in order (as Composer runs them in its loop); a name for a process
+    #: of its own, shared with the callbacks given the same name. Set by in_own_process().
+    process_group: str | None = None
+
+    def in_own_process(self, name: str | None = None) -> Callback:
+        """Run this callback in a worker process of its own (a slow or heavy one that should
+        not hold up the others), or in the process named `name`, shared with every callback
+        given that name. Returns the callback: `callbacks=[SpeedMonitor(), Upload().in_own_process()]`."""
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"in_own_process(name=...) must be a non-empty str, got {name!r}")
+        self.process_group = name if name is not None else f"{type(self).__name__}@{id(self):x}"
+        return self
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         """Called by the worker on each event; dispatches to the method named by the event

@@ -32,7 +32,7 @@ from offloop.workers.callback import Callback
 from offloop.workers.logger import Logger, LoggerDestination
 from offloop.workers.state import State
 
-__all__ = ["Worker", "WorkerStats", "serve_trainer_callback", "StopTrainingError"]
+__all__ = ["Worker", "WorkerStats", "serve_trainer_callbacks", "StopTrainingError"]
 
 log = logging.getLogger("offloop.worker")
 
@@ -264,15 +264,16 @@ def _wanted(callback) -> frozenset[str] | None:
     return wanted() if wanted is not None else Callback.wanted_topics.__func__(type(callback))
 
 
-def serve_trainer_callback(callback, run_dir: str, conn, keys: str | None = None,
-                           heartbeat_timeout: float = 10.0) -> None:
-    """Entry point of a worker process the Trainer spawned for one of its callbacks."""
+def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: str | None = None,
+                            heartbeat_timeout: float = 10.0) -> None:
+    """Entry point of a worker process the Trainer started for some of its callbacks (they
+    run in order, as in Composer's loop)."""
     try:
-        worker = Worker(run_dir, [callback], exit_on_fit_end=False, heartbeat_timeout=heartbeat_timeout,
+        worker = Worker(run_dir, callbacks, exit_on_fit_end=False, heartbeat_timeout=heartbeat_timeout,
                         keys=keys, key_name="workers")
         worker.connect()
     except Exception as exc:
-        conn.send(("error", f"could not join the run: {exc}"))
+        conn.send(("error", (None, f"could not join the run: {exc}")))
         raise SystemExit(2) from None
     conn.send(("ready", None))
     code = worker.run(on_fit_end=lambda stats: conn.send(("fit_end", stats)))

@@ -9,8 +9,9 @@ in one line before training starts.
 
 On the socket pair (`multiprocessing.connection` framing, nothing else can reach it):
 trainer -> here: the settings (a pickled dict of plain values: `sys_path`, `run_dir`,
-`keys`, `heartbeat_timeout`, `nice`), then the callbacks (cloudpickled list);
-here -> trainer: ("ready", None), ("fit_end", stats), ("error", message).
+`keys`, `heartbeat_timeout`, `nice`, `count`), then each callback, cloudpickled on its own;
+here -> trainer: ("ready", None), ("fit_end", stats), ("error", (index or None, message)):
+the index of the callback the message is about, None for the process as a whole.
 """
 
 from __future__ import annotations
@@ -36,17 +37,18 @@ def main(argv: list[str] | None = None) -> None:
     # the trainer's import path first: callbacks pickled by reference (a module beside the
     # user's script, an installed package) are found where the trainer found them
     sys.path[:] = settings["sys_path"] + [p for p in sys.path if p not in settings["sys_path"]]
-    try:
-        import cloudpickle
+    import cloudpickle
 
-        callbacks = cloudpickle.loads(conn.recv_bytes())
-    except Exception as exc:  # its class cannot be rebuilt here: said in one line, no traceback
-        conn.send(("error", f"cannot be rebuilt in its worker process: {type(exc).__name__}: {exc}"))
-        raise SystemExit(2) from None
-    from offloop.workers.runtime import serve_trainer_callback
+    callbacks = []
+    for index in range(settings["count"]):
+        try:
+            callbacks.append(cloudpickle.loads(conn.recv_bytes()))
+        except Exception as exc:  # its class cannot be rebuilt here: said in one line, no traceback
+            conn.send(("error", (index, f"cannot be rebuilt in its worker process: {type(exc).__name__}: {exc}")))
+            raise SystemExit(2) from None
+    from offloop.workers.runtime import serve_trainer_callbacks
 
-    serve_trainer_callback(callbacks[0], settings["run_dir"], conn, settings["keys"],
-                           settings["heartbeat_timeout"])
+    serve_trainer_callbacks(callbacks, settings["run_dir"], conn, settings["keys"], settings["heartbeat_timeout"])
 
 
 def lower_priority(nice: int) -> None:

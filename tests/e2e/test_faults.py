@@ -88,8 +88,10 @@ def test_a_callback_worker_killed_mid_run_is_restarted_and_training_loses_nothin
     dataset = Held(batches, hold)
     trainer = Trainer(model(), DataLoader(dataset, batch_size=8), f"{batches}ba",
                       loss_fn=F.cross_entropy, run_dir=tmp_path / "run", heartbeat_interval=0.2,
-                      callbacks=[PidStepLog(str(victim_log)), StepList(str(steps_file))])
-    first_pid = trainer.workers.workers[0].process.pid
+                      callbacks=[PidStepLog(str(victim_log)).in_own_process(), StepList(str(steps_file))])
+    victim = 1  # the shared process (StepList's) first, then the victim's own
+    assert trainer.workers.workers[victim].names == ["PidStepLog"]
+    first_pid = trainer.workers.workers[victim].process.pid
 
     def victim_steps() -> list[dict]:
         if not victim_log.exists():
@@ -103,7 +105,7 @@ def test_a_callback_worker_killed_mid_run_is_restarted_and_training_loses_nothin
             wait_until(lambda: any(r["step"] == hold for r in victim_steps()), 60,
                        f"the victim to handle batch_end {hold}")
             os.kill(first_pid, signal.SIGKILL)
-            wait_until(lambda: trainer.workers.restarts == 1 and trainer.workers.workers[0].ready,
+            wait_until(lambda: trainer.workers.restarts == 1 and trainer.workers.workers[victim].ready,
                        120, "the supervisor to restart the killed worker")
         finally:
             dataset.release.set()
@@ -120,7 +122,7 @@ def test_a_callback_worker_killed_mid_run_is_restarted_and_training_loses_nothin
 
     assert trainer.workers.restarts == 1
     assert len(trainer.workers.crashes) == 1 and f"pid {first_pid}" in trainer.workers.crashes[0]
-    second_pid = trainer.workers.workers[0].process.pid
+    second_pid = trainer.workers.workers[victim].process.pid
     assert second_pid != first_pid
     records = victim_steps()
     first = [r for r in records if r["pid"] == first_pid]

@@ -110,10 +110,12 @@ def test_after_loss_holds_each_microbatch_loss_and_batch_end_the_step_loss(grad_
 
 def test_workers_live_through_every_fit_and_a_death_in_a_later_fit_is_reported(tmp_path):
     """fit() twice: each fit_end carries its number, close() waits for the last one, and a
-    worker dying in the second fit is a crash (reported, restarted), not a clean end."""
+    worker dying in the second fit is a crash (reported, restarted), not a clean end. The
+    dying callback has a process of its own: the Recorder's, shared by default, lives on."""
     record = tmp_path / "events.json"
     trainer = Trainer(mlp(), loader(32, 4), "1ep", loss_fn=torch.nn.functional.cross_entropy,
-                      callbacks=[ExitOnSecondFit(), Recorder(str(record))], run_dir=tmp_path / "run",
+                      callbacks=[ExitOnSecondFit().in_own_process(), Recorder(str(record))],
+                      run_dir=tmp_path / "run",
                       worker_shutdown_timeout=5)
     trainer.fit()
     assert not trainer.workers.crashes
@@ -125,7 +127,8 @@ def test_workers_live_through_every_fit_and_a_death_in_a_later_fit_is_reported(t
     seen = [event for event, _ in json.loads(record.read_text())]
     assert seen.count("fit_start") == 2 and seen.count("fit_end") == 2 and seen.count("batch_end") == 16
     assert seen[-1] == "fit_end"
-    recorder = trainer.workers.workers[1]
+    recorder = trainer.workers.workers[0]  # the shared process comes first
+    assert recorder.names == ["Recorder"]
     assert recorder.fits_seen == 2 and recorder.report["fit"] == 2
 
 

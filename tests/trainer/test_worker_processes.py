@@ -1,0 +1,60 @@
+"""Which process runs which callback: one shared worker process by default, callbacks run
+there in the order given (as Composer runs them); `in_own_process()` for a heavy one."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from common import loader, mlp
+
+from offloop.trainer import Trainer
+from offloop.trainer.supervisor import process_groups
+from offloop.workers import Callback
+
+
+class Tag(Callback):
+    """Appends (its tag, its pid, the batch) to one shared file at every batch_end."""
+
+    def __init__(self, tag: str, path: str) -> None:
+        self.tag, self.path = tag, path
+
+    def batch_end(self, state, logger) -> None:
+        with open(self.path, "a") as out:
+            out.write(json.dumps([self.tag, os.getpid(), state.timestamp.batch]) + "\n")
+
+
+def test_callbacks_share_one_process_in_order_unless_one_asks_for_its_own(tmp_path):
+    log = str(tmp_path / "tags.jsonl")
+    callbacks = [Tag("a", log), Tag("b", log), Tag("heavy", log).in_own_process(),
+                 Tag("up1", log).in_own_process("uploads"), Tag("c", log), Tag("up2", log).in_own_process("uploads")]
+    trainer = Trainer(mlp(), loader(32, 8), "1ep", loss_fn=torch.nn.functional.cross_entropy,
+                      callbacks=callbacks, run_dir=tmp_path / "run")
+    assert [w.names for w in trainer.workers.workers] == [["Tag", "Tag", "Tag"], ["Tag"], ["Tag", "Tag"]]
+    trainer.fit()
+    trainer.close()
+    rows = [json.loads(line) for line in Path(log).read_text().splitlines()]
+    pid = {tag: {p for t, p, _ in rows if t == tag} for tag in ("a", "b", "c", "heavy", "up1", "up2")}
+    assert all(len(p) == 1 for p in pid.values()), pid  # no callback moved between processes
+    assert pid["a"] == pid["b"] == pid["c"] and pid["up1"] == pid["up2"]
+    assert len(pid["a"] | pid["heavy"] | pid["up1"]) == 3 and os.getpid() not in pid["a"] | pid["heavy"] | pid["up1"]
+    shared = [(t, batch) for t, p, batch in rows if p in pid["a"]]
+    assert shared == [(t, batch) for batch in range(1, 5) for t in ("a", "b", "c")]  # in order, event by event
+    assert sum(1 for t, _, _ in rows if t == "heavy") == 4
+
+
+def test_process_groups_keep_the_given_order_with_the_shared_process_first():
+    a, b, c = Callback(), Callback().in_own_process("x"), Callback()
+    d = Callback().in_own_process()
+    assert process_groups([b, a, d, c]) == [[a, c], [b], [d]]
+    assert process_groups([b]) == [[b]]  # no empty shared process
+    assert process_groups([]) == []
+
+
+@pytest.mark.parametrize("name", ["", 3])
+def test_a_bad_process_name_is_refused_by_name(name):
+    with pytest.raises(ValueError, match=r"in_own_process\(name=...\) must be a non-empty str, got"):
+        Callback().in_own_process(name)
