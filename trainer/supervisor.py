@@ -99,6 +99,23 @@ class _Worker:
         self.report: dict = {}
         self.error = ""  # what the worker said when it could not start
         self.error_of: str = self.name  # the callback it was about (or all of them)
+        self.batch = 0  # the last batch it had handled, as it last reported (about once a second)
+        self.pace: float | None = None  # batches a second between its last two reports
+        self._reported_at: float | None = None
+
+
+    def note_progress(self, batch: int, now: float) -> None:
+        if self._reported_at is not None and now > self._reported_at:
+            self.pace = max(0.0, (batch - self.batch) / (now - self._reported_at))
+        self.batch, self._reported_at = batch, now
+
+    def behind(self, batch: int) -> str:
+        """How far behind the trainer's `batch` it is, and for how long at its pace."""
+        late = max(0, batch - self.batch)
+        if not self.pace:
+            return f"at batch {self.batch} of {batch} ({late} behind; its pace is not known yet)"
+        return (f"at batch {self.batch} of {batch} ({late} behind: about {late / self.pace:.0f}s "
+                f"at its pace of {self.pace:.1f} batches/s)")
 
 
 class CallbackWorkers:
@@ -192,8 +209,8 @@ class CallbackWorkers:
         """Its socket pair closed: the process is ending; wait for it, then judge the end."""
         worker.process.join(timeout=30)
         worker.gone = True
-        if self.closing and worker.fits_seen >= self.fits:
-            return  # its end, not a crash
+        if self.closing and worker.fits_seen >= self.fits or self._stopping:
+            return  # its end, or stop() ended it: not a crash
         if not worker.ready and self._thread is None:
             return  # start() raises it
         self._dead(worker, f"exited with code {worker.process.exitcode}"
@@ -214,6 +231,8 @@ class CallbackWorkers:
             elif kind == "fit_end":
                 worker.fits_seen = max(worker.fits_seen, int(payload.get("fit") or 1))
                 worker.report = payload
+            elif kind == "progress":
+                worker.note_progress(int(payload.get("batch") or 0), time.monotonic())
             elif kind == "error":
                 index, worker.error = payload
                 worker.error_of = worker.names[index] if index is not None else worker.name
@@ -236,16 +255,24 @@ class CallbackWorkers:
                 return
             self._receive(timeout=0.5)
 
-    def wait_for_fit_end(self, timeout: float, while_waiting=None) -> None:
+    def wait_for_fit_end(self, timeout: float, while_waiting=None, batch: int = 0) -> None:
         """Give every live worker until `timeout` to report it has handled the last
         fit_end (of `self.fits`); `while_waiting` runs meanwhile (the trainer answers late
-        control requests)."""
-        deadline = time.monotonic() + timeout
+        control requests). A worker still busy after a second is logged once, with how far
+        behind the trainer's `batch` it is and how long that will take at its pace."""
+        started = time.monotonic()
+        deadline, told = started + timeout, set()
         while time.monotonic() < deadline:
             with self._lock:
                 pending = [w for w in self.workers if w.process.is_alive() and w.fits_seen < self.fits]
             if not pending:
                 return
+            if time.monotonic() - started >= 1.0:
+                for worker in pending:
+                    if id(worker) not in told:
+                        told.add(id(worker))
+                        log.warning("offloop: callback worker %s is %s; close() waits up to %gs for it "
+                                    "(worker_shutdown_timeout)", worker.name, worker.behind(batch), timeout)
             if while_waiting is not None:
                 while_waiting()
             time.sleep(0.02)
@@ -255,14 +282,18 @@ class CallbackWorkers:
                             worker.name, timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """After the stream has closed: let workers exit, then end the ones that do not."""
+        """After the stream has closed: let workers exit, then end the ones that do not. A
+        worker still behind the last fit_end has had close()'s wait for it (the run's
+        worker_shutdown_timeout) and is ended at once: close() has that bound."""
         self._stopping = True
         self._stop.set()
         deadline = time.monotonic() + timeout
         for worker in self.workers:
-            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            behind = self.fits and worker.fits_seen < self.fits
+            worker.process.join(timeout=0.0 if behind else max(0.0, deadline - time.monotonic()))
             if worker.process.is_alive():
-                log.warning("offloop: callback worker %s did not exit; terminating it", worker.name)
+                log.warning("offloop: callback worker %s %s; terminating it", worker.name,
+                            "was still behind" if behind else "did not exit")
                 worker.process.terminate()
                 worker.process.join(timeout=5)
             if not worker.conn.closed:

@@ -476,7 +476,7 @@ class Trainer:
         # with no fit (only eval() or predict()) there is no fit_end to wait for: the
         # workers take the stream's final heartbeats as the end, after every event before them
         if self.workers.workers and wait_for_workers and control.fit_ended:
-            self.workers.wait_for_fit_end(self.worker_shutdown_timeout, while_waiting=self._answer_late)
+            self.workers.wait_for_fit_end(self.worker_shutdown_timeout, self._answer_late, self.timestamp.batch)
         self._answer_late()
         ts = self.timestamp
         if self._sockets is None:

@@ -35,6 +35,7 @@ from offloop.workers.state import State
 __all__ = ["Worker", "WorkerStats", "serve_trainer_callbacks", "StopTrainingError"]
 
 log = logging.getLogger("offloop.worker")
+PROGRESS_EVERY = 1.0  # seconds between a spawned worker's progress reports to its trainer
 
 
 class StopTrainingError(Exception):
@@ -123,13 +124,20 @@ class Worker:
             for entry in sorted(joined.entries, key=lambda m: m.seq):
                 self.state._update(entry)
 
-    def run(self, on_fit_end: Callable[[dict], None] | None = None) -> int:
-        """Dispatch events until the run ends; returns 0, or 3 if the trainer fell silent."""
+    def run(self, on_fit_end: Callable[[dict], None] | None = None,
+            on_progress: Callable[[dict], None] | None = None) -> int:
+        """Dispatch events until the run ends; returns 0, or 3 if the trainer fell silent.
+        `on_progress` gets {"batch", "events"} about once a second: the trainer that started
+        this worker tells from it how far behind the worker is when the run ends."""
         if self._sub is None:
             self.connect()
         code = 0
+        next_progress = time.monotonic()
         try:
             while True:
+                if on_progress is not None and time.monotonic() >= next_progress:
+                    on_progress({"batch": self.state.timestamp.batch, "events": self.stats.events})
+                    next_progress = time.monotonic() + PROGRESS_EVERY
                 msg = self._sub.recv(timeout=1.0)
                 if msg is None:
                     if self._sub.finished:
@@ -276,7 +284,8 @@ def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: str | Non
         conn.send(("error", (None, f"could not join the run: {exc}")))
         raise SystemExit(2) from None
     conn.send(("ready", None))
-    code = worker.run(on_fit_end=lambda stats: conn.send(("fit_end", stats)))
+    code = worker.run(on_fit_end=lambda stats: conn.send(("fit_end", stats)),
+                      on_progress=lambda progress: conn.send(("progress", progress)))
     if worker.exit_message and code:
         print(f"offloop worker {worker.name}: {worker.exit_message}", file=sys.stderr, flush=True)
     conn.close()

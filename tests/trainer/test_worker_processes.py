@@ -4,7 +4,9 @@ there in the order given (as Composer runs them); `in_own_process()` for a heavy
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,26 @@ def test_process_groups_keep_the_given_order_with_the_shared_process_first():
 def test_a_bad_process_name_is_refused_by_name(name):
     with pytest.raises(ValueError, match=r"in_own_process\(name=...\) must be a non-empty str, got"):
         Callback().in_own_process(name)
+
+
+class Slow(Callback):
+    def batch_end(self, state, logger) -> None:
+        time.sleep(0.05)
+
+
+def test_close_says_how_far_behind_a_busy_worker_is_and_waits_no_longer_than_its_timeout(tmp_path, caplog):
+    data = [(torch.randn(4, 8), torch.randint(0, 3, (4,))) for _ in range(200)]  # 10 s of Slow's work
+    trainer = Trainer(mlp(), data, "1ep", loss_fn=torch.nn.functional.cross_entropy, callbacks=[Slow()],
+                      run_dir=tmp_path / "run", worker_shutdown_timeout=2)
+    trainer.fit()
+    with caplog.at_level(logging.WARNING, logger="offloop.trainer"):
+        closing = time.monotonic()
+        trainer.close()
+        took = time.monotonic() - closing
+    said = [r.getMessage() for r in caplog.records]
+    behind = [m for m in said if "callback worker Slow is at batch" in m]
+    assert len(behind) == 1 and " of 200 (" in behind[0] and "behind" in behind[0], said
+    assert "close() waits up to 2s for it (worker_shutdown_timeout)" in behind[0]
+    assert any("Slow was still behind; terminating it" in m for m in said), said
+    assert not any("exited with code" in m for m in said), said  # ended by close(), not a crash
+    assert took < 2 + 5, f"close() took {took:.1f}s with worker_shutdown_timeout=2"  # not the 10 s backlog
