@@ -16,6 +16,8 @@ the index of the callback the message is about, None for the process as a whole.
 
 from __future__ import annotations
 
+import atexit
+import io
 import logging
 import os
 import pickle
@@ -25,9 +27,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 log = logging.getLogger("offloop.worker")
+PIPE_BUF = 4096  # bytes a write() to a pipe puts in it at once, never interleaved (POSIX: 512 at least; Linux 4096)
 
 
 def main(argv: list[str] | None = None) -> None:
+    whole_lines()
     fd = int((argv if argv is not None else sys.argv[1:])[0])
     os.set_inheritable(fd, False)  # a process the callbacks start must not hold the trainer's pipe
     conn = Connection(fd)
@@ -49,6 +53,63 @@ def main(argv: list[str] | None = None) -> None:
     from offloop.workers.runtime import serve_trainer_callbacks
 
     serve_trainer_callbacks(callbacks, settings["run_dir"], conn, settings["keys"], settings["heartbeat_timeout"])
+
+
+class WholeLines(io.RawIOBase):
+    """A file descriptor written a whole line at a time: what a callback prints reaches a
+    terminal or pipe shared with other processes (the trainer, other workers) without
+    being cut or glued to their lines. Complete lines go out in one write() each (writes
+    up to PIPE_BUF, 4 KiB, are atomic on a pipe); a line's unfinished tail waits for its
+    newline, or for the end of the process."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self._tail = fd, b""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        text = self._tail + data
+        cut = text.rfind(b"\n") + 1
+        self._tail = text[cut:]
+        chunk = b""
+        for line in text[:cut].splitlines(keepends=True):  # as few writes as stay atomic
+            if chunk and len(chunk) + len(line) > PIPE_BUF:
+                self._write_all(chunk)
+                chunk = b""
+            chunk += line
+        if chunk:
+            self._write_all(chunk)
+        return len(data)
+
+    def flush(self) -> None:
+        pass  # a partial line waits for its newline: written now, another line could follow it
+
+    def close(self) -> None:
+        if self._tail:
+            self._write_all(self._tail)
+            self._tail = b""
+        super().close()
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+
+
+def whole_lines() -> None:
+    """stdout and stderr line by line where they are a pipe or a file (`| tee`, CI logs).
+    A terminal keeps Python's own line buffering, so a progress bar redrawn with \r shows."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is None or stream.isatty():
+            continue
+        raw = WholeLines(stream.fileno())
+        wrapped = io.TextIOWrapper(io.BufferedWriter(raw, 1 << 16), encoding=stream.encoding,
+                                   errors=stream.errors, line_buffering=True)
+        setattr(sys, name, wrapped)
+        atexit.register(wrapped.close)
 
 
 def lower_priority(nice: int) -> None:

@@ -83,3 +83,25 @@ def test_close_says_how_far_behind_a_busy_worker_is_and_waits_no_longer_than_its
     assert any("Slow was still behind; terminating it" in m for m in said), said
     assert not any("exited with code" in m for m in said), said  # ended by close(), not a crash
     assert took < 2 + 5, f"close() took {took:.1f}s with worker_shutdown_timeout=2"  # not the 10 s backlog
+
+
+def test_lines_printed_by_several_workers_into_one_pipe_arrive_whole_and_in_order(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    workers, batches, lines = 4, 40, 20  # 4 x 800 lines of 300 bytes: many pipe buffers' worth
+    done = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "helpers" / "chatty_trainer.py"),
+                           str(workers), str(batches), str(lines), str(tmp_path / "run")],
+                          capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    out = done.stdout.decode().splitlines()
+    assert out[-1] == "done"
+    pattern = re.compile(r"(w\d) (\d+) (\d+) x{280} (w\d)")
+    seen: dict[str, list[tuple[int, int]]] = {f"w{k}": [] for k in range(workers)}
+    for line in out[:-1]:
+        match = pattern.fullmatch(line)
+        assert match and match[1] == match[4], f"a line cut or glued to another: {line[:120]!r}"
+        seen[match[1]].append((int(match[2]), int(match[3])))
+    for tag, got in seen.items():  # every line of each worker, in the order it printed them
+        assert got == [(b, i) for b in range(1, batches + 1) for i in range(lines)], tag
