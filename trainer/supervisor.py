@@ -5,7 +5,7 @@ one that asks (`callback.in_own_process()`) gets a process of its own, or shares
 one. Each process is a program of its own
 (`python -m offloop.workers.spawned`), which never imports the user's main module, so a
 script without a `__main__` guard, code piped to `python -`, `python -c` and notebooks all
-work. The callback travels by value (cloudpickle) over a private socket pair, never over a
+work. Callbacks travel by value (cloudpickle) over a private socket pair, never over a
 socket another process can reach. The trainer waits until every worker is listening
 before it publishes `init` and raises if one cannot start; it never waits on a worker while
 training, reports a worker that dies, and at the end gives each one until the run's last
@@ -102,7 +102,6 @@ class _Worker:
         self.batch = 0  # the last batch it had handled, as it last reported (about once a second)
         self.pace: float | None = None  # batches a second between its last two reports
         self._reported_at: float | None = None
-
 
     def note_progress(self, batch: int, now: float) -> None:
         if self._reported_at is not None and now > self._reported_at:
