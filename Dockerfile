@@ -6,7 +6,7 @@
 #
 # The CUDA wheels bundle their CUDA libraries: the host needs only the NVIDIA driver and
 # the NVIDIA Container Toolkit (see docs/prometheus.md, "GPU"). Nothing is downloaded
-# when a container runs: the demo's dataset ships with scikit-learn.
+# when a container runs: the demo's dataset ships with scikit-learn (the `demo` extra).
 FROM python:3.11-slim-bookworm
 
 # keep in step with TORCH_PIN in the Makefile (tests/e2e/test_compose.py checks)
@@ -32,7 +32,7 @@ COPY bus ./bus
 COPY trainer ./trainer
 COPY workers ./workers
 COPY offloop ./offloop
-RUN pip install .
+RUN pip install '.[demo]'
 
 COPY deploy ./deploy
 USER offloop

@@ -1,6 +1,8 @@
 # Quick start: `make demo` runs the main job, `make test` runs the tests.
 # Each target does all set-up first: a virtual environment with the pinned CPU torch
 # installed before the project, so the project's torch range is already satisfied.
+# The project goes in with its `demo` extra (scikit-learn, the demo's dataset) and its
+# `test` extra; `offloop` is then .venv/bin/offloop (on PATH after `. .venv/bin/activate`).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,7 +15,7 @@ TORCH_PIN := torch==2.13.0
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[demo,test]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -330,6 +330,13 @@ class ControlClient:
                     f"({self.attempts} attempts)"
                 )
 
+    def named(self, client_id: str) -> ControlClient:
+        """A client of the same endpoint, keys and context under another id: each callback
+        of a worker process asks under its own name (the trainer's `stopped_by` and acks
+        name it). Closing it leaves the shared context to this client."""
+        return ControlClient(self.endpoint, client_id=client_id, limits=self.limits, context=self._ctx,
+                             curve=self._curve)
+
     def halt(self, reason: str = "", **kw: Any) -> Ack:
         return self.request("halt", {"reason": reason}, **kw)
 

@@ -110,10 +110,15 @@ class Worker:
     def connect(self) -> None:
         endpoints = self.info.endpoints
         if "control" in endpoints:
+            # one client (and context) for the process; each callback asks under its own
+            # name, so a halt's `stopped_by` names the callback that decided, not the process
             self._control = ControlClient(endpoints["control"],
                                           client_id=f"{self.name}-{os.getpid()}", curve=self.curve)
-        for callback in self.callbacks:
-            callback._control = self._control
+            for callback, key in zip(self.callbacks, _timing_keys(self.callbacks), strict=True):
+                callback._control = self._control.named(f"{key}-{os.getpid()}")
+        else:
+            for callback in self.callbacks:
+                callback._control = None
         self._sub = Subscriber(endpoints["events"], endpoints.get("state"), topics=self.topics(),
                                heartbeat_timeout=self.heartbeat_timeout, curve=self.curve)
         joined = self._sub.connect(join_timeout=self.join_timeout)

@@ -3,12 +3,15 @@
 It joins through the late-join state, so the screen shows the run at once; it only
 subscribes (no control client exists here); a slow job just means slower updates;
 it exits when the run ends. Never imports torch: startup stays well under a second.
+With no run named, it attaches to the one live run under the runs root, or asks which
+when there are several (and, with no terminal to ask on, says which there are).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,7 +25,9 @@ SPARK = "▁▂▃▄▅▆▇█"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", help="run directory, run name (under --runs-root) or state endpoint tcp://host:port")
+    parser.add_argument("run", nargs="?",
+                        help="run directory, run name (under --runs-root) or state endpoint tcp://host:port "
+                             "(default: the live run under the runs root; asks which when there are several)")
     parser.add_argument("--runs-root", help="where run names are looked up (default $OFFLOOP_RUNS or ./runs)")
     parser.add_argument("--refresh", type=float, default=4.0, help="screen refreshes per second")
     parser.add_argument("--once", action="store_true", help="print the current state once and exit")
@@ -109,6 +114,8 @@ class RunView:
         return len(recent) / 5.0
 
     def eta(self) -> float | None:
+        if self.status != "running":  # ended: nothing left to wait for
+            return None
         total, (batches_per_s, _) = self.total_batches(), self.rates()
         if not total or not batches_per_s:
             return None
@@ -158,7 +165,7 @@ def render(view: RunView, sub_stats, publisher_drops: int):
     progress = Table.grid(padding=(0, 2))
     done = f"epoch {epoch}  batch {batch}" + (f"/{total}" if total else "")
     bar = ProgressBar(total=total or 1, completed=min(batch, total or 1), width=40)
-    progress.add_row(done, bar, f"ETA {_duration(view.eta())}")
+    progress.add_row(done, bar, f"ETA {_duration(view.eta())}" if view.status == "running" else "")
     metrics = Table.grid(padding=(0, 2))
     metrics.add_row("loss", f"{view.loss:.4f}" if view.loss is not None else "-", sparkline(view.losses))
     metrics.add_row("lr", ", ".join(f"{v:.3g}" for v in view.lr) or "-", "")
@@ -184,7 +191,10 @@ def run(args: argparse.Namespace) -> int:
     from offloop.bus.security import client_keys_for, endpoint_keys
 
     try:
-        info = find_run(args.run, args.runs_root, curve=endpoint_keys(args.run, args.keys, args.key_name))
+        if args.run is None:
+            info = pick_live_run(args.runs_root)
+        else:
+            info = find_run(args.run, args.runs_root, curve=endpoint_keys(args.run, args.keys, args.key_name))
         curve = client_keys_for(info, args.keys, args.key_name)
     except BusError as exc:
         abort(str(exc), 1)
@@ -218,22 +228,60 @@ def run(args: argparse.Namespace) -> int:
     try:
         with Live(render(view, sub.stats, sub.publisher_drops), console=console,
                   refresh_per_second=args.refresh, screen=False) as live:
-            while view.status == "running":
-                deadline = time.monotonic() + period
-                while (left := deadline - time.monotonic()) > 0:
-                    msg = sub.recv(timeout=left)
-                    if msg is None:
-                        if sub.finished:
-                            view.status = "finished (stream closed)"
-                        break
-                    view.take(msg)
-                live.update(render(view, sub.stats, sub.publisher_drops))
-    except BusError as exc:
-        view.status = f"lost: {exc}"
-        code = 3
+            try:
+                while view.status == "running":
+                    deadline = time.monotonic() + period
+                    while (left := deadline - time.monotonic()) > 0:
+                        msg = sub.recv(timeout=left)
+                        if msg is None:
+                            if sub.finished and view.status == "running":  # no fit_end came
+                                view.status = "finished (stream closed)"
+                            break
+                        view.take(msg)
+                    live.update(render(view, sub.stats, sub.publisher_drops))
+            except BusError as exc:
+                view.status = f"lost: {exc}"
+                code = 3
+            live.update(render(view, sub.stats, sub.publisher_drops))  # the last screen: no ETA
     except KeyboardInterrupt:
         code = 0
     finally:
         sub.close()
     console.print(f"offloop attach: run {view.name} {view.status}")
     return code
+
+
+def pick_live_run(runs_root: str | None):
+    """The one live run under the runs root; with several, the one the person picks (asked
+    on the terminal), or, with no terminal to ask on, an error naming them all."""
+    from offloop.bus import default_runs_root, list_runs
+    from offloop.commands.ls import live_status
+    from offloop.commands.shell import command
+
+    root = os.path.abspath(runs_root or default_runs_root())
+    live = [info for info in list_runs(root) if not info.finished and live_status(info) == "live"]
+    root_args = ["--runs-root", root] if runs_root else []
+    if not live:
+        abort(f"no live run under {root} to attach to (`{command('ls', *root_args)}` lists every run; "
+              "name one to attach to a run on another host)", 1)
+    if len(live) == 1:
+        return live[0]
+    names = ", ".join(info.run_name for info in live)
+    if not sys.stdin.isatty():
+        # a run is named by its folder under the root (its run name, unless set apart)
+        folder = os.path.basename(live[-1].run_dir) or live[-1].run_name
+        abort(f"{len(live)} live runs under {root}: {names}; name the one to attach to, "
+              f"e.g. `{command('attach', folder, *root_args)}`", 1)
+    print(f"{len(live)} live runs under {root}:")
+    for number, info in enumerate(live, 1):
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.started))
+        print(f"  {number}. {info.run_name}  (started {started})")
+    while True:
+        try:
+            answer = input(f"attach to which? [1-{len(live)}, or a name] ").strip()
+        except EOFError:
+            abort("no run chosen", 1)
+        for number, info in enumerate(live, 1):
+            if answer in (str(number), info.run_name, os.path.basename(info.run_dir)):
+                return info
+        print(f"  {answer!r} is none of them: type a number from 1 to {len(live)}, or a run's name")

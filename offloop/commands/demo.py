@@ -1,14 +1,19 @@
 """`offloop demo`: a real model trains on scikit-learn's digits with callbacks out of process.
 
-Five callbacks, each in its own worker process: a progress display, a JSONL metrics
+Five callbacks, in one worker process beside the trainer: a progress display, a JSONL metrics
 log, an early stopper that halts the run over the control channel, a checkpoint
 saver, and a recorder. The demo ends by reporting eval accuracy and where
-everything was written.
+everything was written. `--step-delay` slows each batch down, so that a person has
+minutes to `ls`, `attach`, `checkpoint` and `halt` it by hand.
+
+The dataset comes from scikit-learn, which is the `demo` extra
+(`pip install 'offloop[demo]'`), not a dependency of the library.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -19,10 +24,13 @@ from offloop.errors import abort
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=None,
-                        help="where the run's files go (default: runs/demo-<time>)")
+                        help="where the run's files go (default: demo-<time> under $OFFLOOP_RUNS or ./runs)")
     parser.add_argument("--max-duration", default="40ep",
                         help="Composer time string, e.g. '40ep', '300ba' (default: 40ep)")
     parser.add_argument("--patience", type=int, default=3, help="EarlyStopper patience, in epochs")
+    parser.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS",
+                        help="sleep this long in every training batch, to watch and steer the run by "
+                             "hand (0.1 makes an epoch last about 2.5 s; default: 0)")
     parser.add_argument("--seed", type=int, default=17)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address the run's sockets bind to (beyond loopback needs --keys or --insecure)")
@@ -32,11 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow binding beyond loopback without keys (anyone reachable may halt the run)")
 
 
-def digits_loaders(seed: int, batch_size: int = 64):
-    """scikit-learn's bundled 8x8 digits (no download), standardised, split 80/20."""
+def digits_loaders(seed: int, batch_size: int = 64, step_delay: float = 0.0):
+    """scikit-learn's bundled 8x8 digits (no download), standardised, split 80/20. With a
+    `step_delay`, each training batch takes that much longer to load."""
     import torch
     from sklearn.datasets import load_digits
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader, TensorDataset, default_collate
 
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
@@ -47,18 +56,36 @@ def digits_loaders(seed: int, batch_size: int = 64):
     mean, std = x[:cut].mean(0), x[:cut].std(0) + 1e-3
     x = (x - mean) / std
     gen = torch.Generator().manual_seed(seed)
-    train = DataLoader(TensorDataset(x[:cut], y[:cut]), batch_size=batch_size, shuffle=True, generator=gen)
+
+    def collate(samples):
+        time.sleep(step_delay)  # once per batch, inside the loop: the run is simply slower
+        return default_collate(samples)
+
+    train = DataLoader(TensorDataset(x[:cut], y[:cut]), batch_size=batch_size, shuffle=True, generator=gen,
+                       collate_fn=collate if step_delay > 0 else None)
     evaluation = DataLoader(TensorDataset(x[cut:], y[cut:]), batch_size=256)
     return train, evaluation
 
 
+def _require_scikit_learn() -> None:
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        abort("offloop demo needs scikit-learn for its dataset, which is not installed: "
+              "pip install 'offloop[demo]' (or `make demo` in a clone)", 1)
+
+
 def run(args: argparse.Namespace) -> int:
+    if not (math.isfinite(args.step_delay) and args.step_delay >= 0):
+        abort(f"--step-delay: {args.step_delay:g} is not a number of seconds >= 0")
+    _require_scikit_learn()
     import torch
     import torchmetrics
     from torch import nn
 
-    from offloop.bus import Time
+    from offloop.bus import Time, default_runs_root
     from offloop.bus.duration import DurationError
+    from offloop.commands.shell import command
     from offloop.trainer import ConfigError, Trainer
     from offloop.workers.callbacks import (
         CheckpointSaver,
@@ -73,10 +100,10 @@ def run(args: argparse.Namespace) -> int:
     except DurationError as exc:
         abort(f"--max-duration: {exc}")
     started = time.monotonic()
-    run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir = Path(args.run_dir or default_runs_root() / f"demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
-    train, evaluation = digits_loaders(args.seed)
+    train, evaluation = digits_loaders(args.seed, step_delay=args.step_delay)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.2), nn.Linear(128, 10))
     metrics_log = run_dir / "metrics.jsonl"
     recording = run_dir / "recording.offloop"
@@ -88,8 +115,9 @@ def run(args: argparse.Namespace) -> int:
         CheckpointSaver(folder=str(run_dir / "checkpoints"), save_interval="1ep", num_checkpoints_to_keep=2),
         Recorder(str(recording)),
     ]
-    print(f"offloop demo: training an MLP on scikit-learn digits for up to {args.max_duration}; "
-          f"{len(callbacks)} callbacks in worker processes", flush=True)
+    slowed = f", slowed by {args.step_delay:g} s a batch" if args.step_delay else ""
+    print(f"offloop demo: training an MLP on scikit-learn digits for up to {args.max_duration}{slowed}; "
+          f"{len(callbacks)} callbacks in a worker process", flush=True)
     try:
         trainer = Trainer(
             model, train, args.max_duration,
@@ -103,8 +131,13 @@ def run(args: argparse.Namespace) -> int:
         )
     except ConfigError as exc:
         abort(str(exc))
-    print(f"offloop demo: run {trainer.run_name} in {run_dir} — watch it with "
-          f"`offloop attach {run_dir}`", flush=True)
+    hints = [(command("attach", run_dir), "live monitor (read-only)"),
+             (command("checkpoint", run_dir), "write a checkpoint now"),
+             (command("halt", run_dir), "stop after the current batch")]
+    width = max(len(line) for line, _ in hints)
+    print(f"offloop demo: run {trainer.run_name} in {run_dir}; from another terminal:", flush=True)
+    for line, what in hints:
+        print(f"  {line.ljust(width)}  # {what}", flush=True)
     trainer.fit()
     results = trainer.eval()
     trainer.close()
@@ -122,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  run directory {run_dir}")
     print(f"  metrics log   {metrics_log}")
     print(f"  checkpoints   {', '.join(checkpoints) or 'none'} in {run_dir / 'checkpoints'}")
-    print(f"  recording     {recording}  (try: offloop replay {recording} LRMonitor)")
+    print(f"  recording     {recording}  (try: {command('replay', recording, 'LRMonitor')})")
     if trainer.workers.crashes:
         print("  worker problems: " + "; ".join(trainer.workers.crashes), file=sys.stderr)
         return 1

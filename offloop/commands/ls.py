@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 import time
 
 
@@ -22,16 +23,17 @@ def run(args: argparse.Namespace) -> int:
 
     from offloop.bus import default_runs_root, list_runs
 
-    root = args.runs_root or default_runs_root()
+    root = os.path.abspath(args.runs_root or default_runs_root())
     runs = list_runs(root)
     if not runs:
-        print(f"no runs under {root}")
+        print(f"no runs under {root}", file=sys.stderr if args.json else sys.stdout)
         return 0
     rows = [_row(info, args.keys, args.key_name) for info in runs]
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return 0
+    print(f"runs under {root}:")
     headers = ["NAME", "STATUS", "PROGRESS", "STARTED", "DIRECTORY"]
     table = [[r["name"], r["status"], r["progress"], r["started"], r["run_dir"]] for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *table, strict=False)]
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _row(info, keys: str | None, key_name: str) -> dict:
-    status = "finished" if info.finished else _live_status(info)
+    status = "finished" if info.finished else live_status(info)
     progress = None
     if info.finished:
         progress = info.extra.get("progress")
@@ -55,7 +57,8 @@ def _row(info, keys: str | None, key_name: str) -> dict:
     }
 
 
-def _live_status(info) -> str:
+def live_status(info) -> str:
+    """An unfinished run's status: live (its process is here), dead (gone), or live? (another host)."""
     if info.host != socket.gethostname():
         return "live?"
     try:

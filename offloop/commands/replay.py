@@ -1,4 +1,8 @@
-"""`offloop replay <file> <callback>...`: feed a recording to callbacks, offline."""
+"""`offloop replay <file> <callback>...`: feed a recording to callbacks, offline.
+
+Exit 0 when every callback ran clean; 1 when any raised (replay is how a callback is
+tested), 2 when the recording or a callback spec is bad.
+"""
 
 from __future__ import annotations
 
@@ -37,4 +41,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"offloop replay: {worker.stats.events} events replayed, {worker.stats.gaps} recorded as lost, "
           f"{worker.malformed} unreadable, {worker.stats.errors} callback errors, "
           f"{len(worker.replay_requests)} control requests printed (not sent)", file=sys.stderr)
+    if worker.stats.errors:
+        # replay is how callbacks are tested: one that raised fails the replay
+        abort(f"{worker.stats.errors} callback error{'s' if worker.stats.errors != 1 else ''} "
+              "during the replay (each traceback is above)", 1)
     return 0

@@ -40,6 +40,11 @@ class Tmux:
                 raise AssertionError(f"screen never showed {pattern!r}:\n{self.screen()}")
             time.sleep(0.1)
 
+    def type(self, text: str) -> None:
+        """Type `text` and press Enter, as a person at the terminal would."""
+        subprocess.run([*self.args, "send-keys", "-t", "t", "-l", text], check=True, timeout=10)
+        subprocess.run([*self.args, "send-keys", "-t", "t", "Enter"], check=True, timeout=10)
+
     def kill(self) -> None:
         subprocess.run([*self.args, "kill-server"], capture_output=True, timeout=10)
 
@@ -70,6 +75,7 @@ def test_attach_shows_a_running_job_live_and_exits_when_it_ends(spawn, tmp_path,
     later = int(tmux.wait_for(rf"batch (?!{first}/)(\d+)/3000").group(1))
     assert later > first  # the screen follows the run
     tmux.wait_for(r"throughput\s+[\d.]+ batches/s")
+    tmux.wait_for(r"ETA \d+:\d\d:\d\d")
 
     halt = subprocess.run([sys.executable, "-m", "offloop.cli", "halt", str(run_dir), "--reason", "seen enough"],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -77,4 +83,36 @@ def test_attach_shows_a_running_job_live_and_exits_when_it_ends(spawn, tmp_path,
     tmux.wait_for(r"control\s+1 requests, last: halt from cli-")
     tmux.wait_for(r"finished \(halted: seen enough\)")
     tmux.wait_for(r"ATTACH-EXITED 0")
+    assert "ETA" not in tmux.screen()  # the run has ended: no time left to estimate
     assert trainer.line(timeout=30)["done"] < 3000
+
+
+def _wait_for_run(run_dir: Path) -> None:
+    deadline = time.monotonic() + 30
+    while not (run_dir / "run.json").exists():
+        assert time.monotonic() < deadline, f"{run_dir} never got its run.json"
+        time.sleep(0.05)
+
+
+def test_attach_with_no_run_asks_which_of_several_live_runs(spawn, tmp_path, tmux):
+    root = tmp_path / "runs"
+    for name in ("first", "second"):
+        spawn("slow_trainer", root / name, 3000, 0.02).line()
+        _wait_for_run(root / name)
+    attach = (f"cd {shlex.quote(str(tmp_path))} && PYTHONPATH={shlex.quote(str(ROOT))} "
+              f"{shlex.quote(sys.executable)} -m offloop.cli attach; "  # ./runs, the default root
+              "echo ATTACH-EXITED $?; sleep 60")
+    tmux.start(attach)
+    tmux.wait_for(rf"2 live runs under {re.escape(str(root))}:")
+    tmux.wait_for(r"1\. first  \(started [-\d]+ [:\d]+\)\n\s+2\. second  \(started ")
+    tmux.wait_for(r"attach to which\? \[1-2, or a name\]")
+    tmux.type("3")
+    tmux.wait_for(r"'3' is none of them")
+    tmux.type("2")
+    tmux.wait_for(r"run\s+second\s+running")
+    tmux.wait_for(r"batch \d+/3000")
+    halt = subprocess.run([sys.executable, "-m", "offloop.cli", "halt", str(root / "second")],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert halt.returncode == 0, halt.stderr
+    tmux.wait_for(r"ATTACH-EXITED 0")
+    assert "offloop attach: run second finished" in tmux.screen()

@@ -1,4 +1,4 @@
-"""`offloop halt`, `checkpoint`, `ls`, `replay` against real runs in other processes."""
+"""`offloop halt`, `checkpoint`, `ls`, `attach`, `replay` against real runs in other processes."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ ROOT = Path(__file__).parent.parent.parent
 TESTS = ROOT / "tests"
 
 
-def offloop(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}"}
+def offloop(*args: str, timeout: float = 60, cwd: Path | None = None,
+            pythonpath: str = "") -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "OFFLOOP_RUNS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(TESTS), pythonpath) if p)
     return subprocess.run([sys.executable, "-m", "offloop.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL, cwd=cwd)
 
 
 def wait_for(path: Path, timeout: float = 30) -> None:
@@ -102,3 +104,78 @@ def test_halt_that_gets_no_answer_times_out(tmp_path, free_port):
                                               {"control": f"tcp://127.0.0.1:{free_port}"}))
     mute = offloop("halt", "mute", "--runs-root", str(tmp_path), "--timeout", "1")
     assert mute.returncode == 1 and "did not answer" in mute.stderr
+
+
+def test_ls_names_the_runs_root_it_looked_in_as_an_absolute_path(tmp_path):
+    empty = offloop("ls", cwd=tmp_path)  # no --runs-root, no $OFFLOOP_RUNS: ./runs
+    assert empty.returncode == 0 and empty.stdout.strip() == f"no runs under {tmp_path / 'runs'}", empty.stdout
+
+    from offloop.bus import RunInfo, write_run_info
+
+    write_run_info(tmp_path / "elsewhere" / "old", RunInfo("o", "old", os.getpid(), time.time(), {},
+                                                           finished=True))
+    listed = offloop("ls", "--runs-root", "elsewhere", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[0] == f"runs under {tmp_path / 'elsewhere'}:", listed.stdout
+    as_json = offloop("ls", "--runs-root", "elsewhere", "--json", cwd=tmp_path)
+    assert json.loads(as_json.stdout.splitlines()[0])["name"] == "old"  # JSON lines stay JSON
+
+
+def test_attach_with_no_run_picks_the_one_live_run_and_names_them_when_there_are_several(spawn, tmp_path):
+    root = tmp_path / "runs"
+    none = offloop("attach", "--runs-root", str(root), "--once")
+    assert none.returncode == 1 and f"no live run under {root} to attach to" in none.stderr, none.stderr
+
+    from offloop.bus import RunInfo, write_run_info
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # an unfinished run whose process is gone is not live: never picked
+    write_run_info(root / "ghost", RunInfo("g", "ghost", dead.pid, time.time(), {}))
+    first = spawn("slow_trainer", root / "first", 3000, 0.02)
+    first.line()
+    wait_for(root / "first" / "run.json")
+    one = offloop("attach", "--runs-root", str(root), "--once")
+    assert one.returncode == 0, one.stderr
+    assert "run       first  running" in one.stdout, one.stdout
+
+    second = spawn("slow_trainer", root / "second", 3000, 0.02)
+    second.line()
+    wait_for(root / "second" / "run.json")
+    several = offloop("attach", "--runs-root", str(root), timeout=20)  # stdin is not a terminal
+    assert several.returncode == 1, several.stdout
+    assert several.stderr.startswith(f"offloop: error: 2 live runs under {root}: first, second; "
+                                     "name the one to attach to"), several.stderr
+    assert len(several.stderr.strip().splitlines()) == 1 and several.stdout == ""
+    for run in ("first", "second"):
+        assert offloop("halt", run, "--runs-root", str(root)).returncode == 0
+
+
+def test_replay_exits_non_zero_when_a_callback_raised(tmp_path):
+    from offloop.bus.recording import RecordingWriter
+    from offloop.bus.wire import EventEncoder
+
+    enc = EventEncoder("r", "p", 0)
+    recording = tmp_path / "run.offloop"
+    writer = RecordingWriter(recording, "r", "run", {"max_duration": "3ba"})
+    for batch in (1, 2, 3):
+        writer.event(enc.encode("batch_end", batch, batch, (0, batch, batch, 8 * batch, 0), {"loss": 1.0}))
+    writer.close()
+    (tmp_path / "mycallbacks.py").write_text(
+        "from offloop.workers import Callback\n"
+        "class Fine(Callback):\n"
+        "    def batch_end(self, state, logger):\n"
+        "        pass\n"
+        "class Broken(Callback):\n"
+        "    def batch_end(self, state, logger):\n"
+        "        if state.timestamp.batch == 2:\n"
+        "            raise RuntimeError('the bug being looked for')\n")
+
+    fine = offloop("replay", str(recording), "mycallbacks:Fine()", "--quiet", pythonpath=str(tmp_path))
+    assert fine.returncode == 0, fine.stderr
+    broken = offloop("replay", str(recording), "mycallbacks:Fine()", "mycallbacks:Broken()", "--quiet",
+                     pythonpath=str(tmp_path))
+    assert broken.returncode == 1, broken.stderr
+    assert "RuntimeError: the bug being looked for" in broken.stderr  # the traceback, for the author
+    assert "3 events replayed" in broken.stderr and "1 callback errors" in broken.stderr
+    assert broken.stderr.strip().splitlines()[-1] == (
+        "offloop: error: 1 callback error during the replay (each traceback is above)")
