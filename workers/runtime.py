@@ -289,8 +289,15 @@ def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: str | Non
         conn.send(("error", (None, f"could not join the run: {exc}")))
         raise SystemExit(2) from None
     conn.send(("ready", None))
-    code = worker.run(on_fit_end=lambda stats: conn.send(("fit_end", stats)),
-                      on_progress=lambda progress: conn.send(("progress", progress)))
+
+    def tell(kind: str, payload: dict) -> None:
+        try:
+            conn.send((kind, payload))
+        except OSError:  # the trainer is gone: its silence ends this worker (heartbeat timeout)
+            pass
+
+    code = worker.run(on_fit_end=lambda stats: tell("fit_end", stats),
+                      on_progress=lambda progress: tell("progress", progress))
     if worker.exit_message and code:
         print(f"offloop worker {worker.name}: {worker.exit_message}", file=sys.stderr, flush=True)
     conn.close()
