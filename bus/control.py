@@ -2,7 +2,10 @@
 
 Promise: a halt or checkpoint request, retried until acknowledged, is applied at
 most once; a retry of an applied request gets the stored ack; the trainer's side
-costs one attribute check per batch boundary when nothing is pending.
+costs one attribute check per batch boundary when nothing is pending. A request the
+wire rules refuse (docs/protocol.md: its `t`, its op's args) is counted malformed and
+answered with an error naming the field; one for an unknown op, or a checkpoint file
+name that is not a plain name, is refused at once (ok false). Neither reaches the trainer.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from offloop.bus.wire import (
     encode_reply,
     encode_request,
 )
+from offloop.bus.wire.requests import CONTROL_ARGS, control_refusal
 
 __all__ = ["ControlServer", "ControlClient", "ControlRequest", "Ack", "OPS"]
 
@@ -261,6 +265,9 @@ class ControlServer:
     def _refusal(self, request: ControlRequest) -> str | None:
         if request.op not in OPS:
             return f"unknown control op {request.op!r}; valid ops are {', '.join(OPS)}"
+        refusal = control_refusal(request.op, request.args)  # a file name outside the folder
+        if refusal:
+            return refusal
         if self._authorize is not None:
             reason = self._authorize(request)
             if reason:
@@ -299,7 +306,11 @@ class ControlClient:
                 retry: float = 0.5, req: int | None = None) -> Ack:
         """Send until acknowledged; raises ControlTimeout after `timeout` seconds."""
         req = next(self._ids) if req is None else req
-        body = encode_request("ctl", client=self.client_id, req=req, op=op, args=args or {},
+        # the args each op must carry (a halt's reason, a checkpoint's tag) default to "", so
+        # that what this client sends is always a valid request
+        args = {**{name: "" for name, (_, required) in CONTROL_ARGS.get(op, {}).items() if required},
+                **(args or {})}
+        body = encode_request("ctl", client=self.client_id, req=req, op=op, args=args,
                               t=time.time())
         deadline = time.monotonic() + timeout
         while True:

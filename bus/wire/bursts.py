@@ -26,6 +26,7 @@ prefix, which selects everything) and as single messages to subscribers of their
 from __future__ import annotations
 
 from collections import Counter
+from operator import itemgetter
 
 from offloop.bus.errors import WireError
 from offloop.bus.wire.values import (
@@ -37,6 +38,7 @@ from offloop.bus.wire.values import (
     _head_and_tensors,
     _shape,
     _unpack,
+    check_values,
 )
 
 
@@ -177,4 +179,10 @@ def decode_burst(frames, limits: Limits = DEFAULT_LIMITS) -> list[Message]:
         nxt[topic] = n + 1
         append(Message(topic, "ev", run, pub, rank, seq, n, t, ts, d))
         seq += 1
+    maps = list(filter(None, map(_D, events)))  # every non-empty d, collected in C
+    if maps:
+        check_values(maps)  # str keys and no msgpack timestamp, in every d at once
     return out
+
+
+_D = itemgetter(2)  # a burst event's d

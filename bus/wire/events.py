@@ -33,7 +33,9 @@ import ormsgpack
 from offloop.bus.errors import WireError
 from offloop.bus.wire.bursts import BurstEncoding
 from offloop.bus.wire.values import (
+    _SCREEN_OPTIONS,
     BURST_PREFIX,
+    BURST_TOPIC,
     DEFAULT_LIMITS,
     HEARTBEAT_TOPIC,
     TENSOR_EXT,
@@ -41,12 +43,16 @@ from offloop.bus.wire.values import (
     Limits,
     Message,
     TensorFrame,
+    _check_values_slowly,
     _head_and_tensors,
     _is_tensor,
     _require,
+    _screen,
+    _screen_default,
     _shape,
     _tensor_bytes,
     _unpack,
+    check_values,
     topic_prefix,
 )
 
@@ -163,7 +169,8 @@ _HEARTBEAT_SCHEMA = {
 
 
 def decode_event(frames, limits: Limits = DEFAULT_LIMITS) -> Message:
-    """Decode an event or heartbeat from its frames (bytes, memoryviews or zmq Frames)."""
+    """Decode an event or heartbeat from its frames (bytes, memoryviews or zmq Frames); a
+    burst is `decode_burst`'s."""
     head, tensor_frames = _head_and_tensors(frames, limits)
     cut = head.find(b"\0")
     if cut <= 0:
@@ -172,11 +179,9 @@ def decode_event(frames, limits: Limits = DEFAULT_LIMITS) -> Message:
         topic = head[:cut].decode()
     except UnicodeDecodeError:
         raise WireError("topic is not UTF-8") from None
+    if head[0] == 95:  # b"_": a reserved topic, of which only _hb is decoded here
+        return _decode_heartbeat(topic, head[cut + 1 :], tensor_frames, limits)
     body = _unpack(head[cut + 1 :], limits, tensor_frames)
-    if topic == HEARTBEAT_TOPIC:
-        body = _require(body, _HEARTBEAT_SCHEMA, "heartbeat")
-        return Message(topic, "hb", body["run"], body["pub"], body["rank"], body["seq"], 0,
-                       float(body["t"]), (0, 0, 0, 0, 0), body)
     if type(body) is not list or len(body) != 10:
         if isinstance(body, dict) and body.get("v") != VERSION or isinstance(body, list) and body \
                 and body[0] != VERSION:
@@ -186,12 +191,35 @@ def decode_event(frames, limits: Limits = DEFAULT_LIMITS) -> Message:
     v, k, run, pub, rank, seq, tseq, t, ts, d = body
     if v != VERSION:
         raise WireError(f"wire version {v!r} is not supported (this build speaks {VERSION})")
-    if not (type(k) is str and type(run) is str and type(pub) is str and type(rank) is int
+    if not (k == "ev" and type(run) is str and type(pub) is str and type(rank) is int
             and type(seq) is int and type(tseq) is int and type(t) is float and type(d) is dict
             and type(ts) is list and len(ts) == 5 and type(ts[0]) is int and type(ts[1]) is int
             and type(ts[2]) is int and type(ts[3]) is int and type(ts[4]) is int):
         _explain_event(body)
+    if d:  # str keys only, no msgpack timestamp: check_values, inlined (one call into Rust)
+        try:
+            _screen(d, default=_screen_default, option=_SCREEN_OPTIONS)
+        except Exception:
+            _check_values_slowly(d)
     return Message(topic, k, run, pub, rank, seq, tseq, t, tuple(ts), d)
+
+
+def _decode_heartbeat(topic: str, body: bytes, tensor_frames, limits: Limits) -> Message:
+    """A heartbeat: frame 0 alone, ``_hb`` then a map (see encode_heartbeat)."""
+    if topic != HEARTBEAT_TOPIC:
+        raise WireError(f"topic {topic!r} is reserved (topics starting with '_' are the bus's own: "
+                        f"{HEARTBEAT_TOPIC!r} here, {BURST_TOPIC!r} for decode_burst)")
+    if tensor_frames is not None:
+        raise WireError(f"a heartbeat is frame 0 alone; this one has {len(tensor_frames)} frames")
+    body = _require(_unpack(body, limits), _HEARTBEAT_SCHEMA, "heartbeat")
+    if body["k"] != "hb":
+        raise WireError(f"heartbeat field 'k' is {body['k']!r}, expected 'hb'")
+    for name, n in body["tseq"].items():
+        if type(name) is not str or type(n) is not int:
+            raise WireError(f"heartbeat field 'tseq' maps {name!r} to {n!r}, expected topic (str) -> int")
+    check_values(body)
+    return Message(topic, "hb", body["run"], body["pub"], body["rank"], body["seq"], 0,
+                   float(body["t"]), (0, 0, 0, 0, 0), body)
 
 
 _EVENT_FIELDS = (("v", int), ("kind", str), ("run", str), ("pub", str), ("rank", int),
@@ -203,6 +231,8 @@ def _explain_event(body: list) -> None:
     for (name, kind), value in zip(_EVENT_FIELDS, body, strict=True):
         if type(value) is not kind:
             raise WireError(f"event field {name!r} is {value!r}, expected {kind.__name__}")
+        if name == "kind" and value != "ev":
+            raise WireError(f"event field 'kind' is {value!r}, expected 'ev'")
     raise WireError(f"event field 'ts' is {body[8]!r}, expected 5 ints")
 
 

@@ -6,19 +6,35 @@ untrusted bytes decode within `Limits` or raise `WireError`.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgpack
 
 from offloop.bus.errors import WireError
-from offloop.bus.wire.values import DEFAULT_LIMITS, VERSION, Limits, _frame_bytes, _require, _unpack
+from offloop.bus.wire.values import (
+    DEFAULT_LIMITS,
+    VERSION,
+    Limits,
+    _frame_bytes,
+    _require,
+    _unpack,
+    check_values,
+)
 
-#: Request kinds and the fields each must carry.
+#: Request kinds and the fields each must carry (a map may carry more: adding a field is
+#: not a version change). `check_request` adds what a type alone does not say.
 REQUEST_SCHEMAS: dict[str, dict[str, Any]] = {
     "state_req": {"k": str},
     "info_req": {"k": str},
-    "ctl": {"k": str, "client": str, "req": int, "op": str, "args": dict},
+    "ctl": {"k": str, "client": str, "req": int, "op": str, "args": dict, "t": float},
 }
+#: The args of each control op that has them: field -> (type, required).
+CONTROL_ARGS: dict[str, dict[str, tuple[type, bool]]] = {
+    "halt": {"reason": (str, True)},
+    "checkpoint": {"tag": (str, True), "filename": (str, False)},
+}
+_PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 REPLY_SCHEMAS: dict[str, dict[str, Any]] = {
     "state": {"k": str, "run": str, "pub": str, "seq": int, "tseq": dict, "beat": int,
               "config": dict, "entries": list},
@@ -33,7 +49,8 @@ def encode_request(kind: str, **fields: Any) -> bytes:
 
     - ``state_req {topics: [str] | nil}`` asks for the late-join state;
     - ``info_req {}`` asks for the run's run.json content;
-    - ``ctl {client, req, op: "halt"|"checkpoint", args, t}`` is a control request.
+    - ``ctl {client, req, op: "halt"|"checkpoint", args, t: float}`` is a control request:
+      halt args ``{reason: str}``, checkpoint args ``{tag: str, filename: str (optional)}``.
     """
     if kind not in REQUEST_SCHEMAS:
         raise WireError(f"unknown request kind {kind!r}")
@@ -59,6 +76,8 @@ def _decode_body(frame, schemas: dict, limits: Limits, what: str) -> dict:
     if len(data) > limits.max_body_bytes:
         raise WireError(f"{what} is {len(data)} bytes, the limit is {limits.max_body_bytes}")
     body = _unpack(data, limits)
+    if isinstance(body, dict):
+        check_values(body)  # map keys str, no msgpack timestamp: anywhere in the body
     kind = body.get("k") if isinstance(body, dict) else None
     if not isinstance(kind, str) or kind not in schemas:  # an unhashable kind must not raise TypeError
         raise WireError(f"{what} kind {kind!r} is not one of {sorted(schemas)}")
@@ -66,7 +85,46 @@ def _decode_body(frame, schemas: dict, limits: Limits, what: str) -> dict:
 
 
 def decode_request(frame, limits: Limits = DEFAULT_LIMITS) -> dict:
-    return _decode_body(frame, REQUEST_SCHEMAS, limits, "request")
+    """A request body, checked against its kind's schema and `check_request`."""
+    return check_request(_decode_body(frame, REQUEST_SCHEMAS, limits, "request"))
+
+
+def check_request(body: dict) -> dict:
+    """What a field's type alone does not say (WireError naming the field): a state_req
+    carries `topics`, a list of str or nil (nil: every topic); a halt's or checkpoint's
+    args are those of CONTROL_ARGS (an unknown op's args are not looked at: it is refused,
+    ok false, whatever they are)."""
+    kind = body["k"]
+    if kind == "state_req":
+        if "topics" not in body:
+            raise WireError("state_req field 'topics' is missing, expected a list of str or nil "
+                            "(nil: every topic)")
+        topics = body["topics"]
+        if topics is not None and not (type(topics) is list and all(type(t) is str for t in topics)):
+            raise WireError(f"state_req field 'topics' is {topics!r}, expected a list of str or nil")
+    elif kind == "ctl":
+        fields = CONTROL_ARGS.get(body["op"], {})
+        args = body["args"]
+        for name, (expected, required) in fields.items():
+            value = args.get(name)
+            if type(value) is expected or value is None and not required:
+                continue
+            got = "missing" if name not in args else repr(value)
+            raise WireError(f"{body['op']} args field {name!r} is {got}, expected "
+                            f"{expected.__name__}{'' if required else ' or nil (or no field)'}")
+    return body
+
+
+def control_refusal(op: str, args: dict) -> str | None:
+    """Why a well-formed control request is refused at once (ok false), or None: a
+    checkpoint file name that is not a plain file name (letters, digits, '.', '-', '_', not
+    starting with '.', at most 100 characters), which would leave the checkpoint folder."""
+    if op == "checkpoint":
+        name = args.get("filename")
+        if name is not None and not _PLAIN_FILE_NAME.fullmatch(name):
+            return (f"checkpoint filename {name!r} must be a plain file name "
+                    "(letters, digits, '.', '-', '_')")
+    return None
 
 
 def decode_reply(frame, limits: Limits = DEFAULT_LIMITS) -> dict:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import ormsgpack
 
 from offloop.bus.errors import WireError
 
@@ -168,27 +169,37 @@ def _unpack(body: bytes | memoryview, limits: Limits, frames=None) -> Any:
             raise
         except Exception as exc:
             raise WireError(f"malformed msgpack body: {exc.__class__.__name__}: {exc}") from None
-    used: set[int] = set()
+    refs: list[int] = []  # the frame each tensor descriptor names, in order
 
     def ext_hook(code: int, payload: bytes) -> Any:
         if code != TENSOR_EXT:
             raise WireError(f"unknown msgpack ext type {code}")
         tensor, index = _tensor_from_ext(payload, frames, limits)
-        used.add(index)
+        refs.append(index)
         return tensor
 
     try:
         value = msgpack.unpackb(
-            body, strict_map_key=True, ext_hook=_no_ext if frames is None else ext_hook,
+            body, strict_map_key=True, ext_hook=ext_hook,
             max_array_len=limits.max_container_len, max_map_len=limits.max_container_len,
         )
     except WireError:
         raise
     except Exception as exc:  # msgpack raises several types; callers see one
         raise WireError(f"malformed msgpack body: {exc.__class__.__name__}: {exc}") from None
-    if frames is not None and len(used) != len(frames) - 1:
-        raise WireError(f"message has {len(frames) - 1} tensor frames, its body uses {len(used)}")
+    if len(refs) != len(frames) - 1 or len(set(refs)) != len(refs):
+        _explain_refs(refs, len(frames) - 1)
     return value
+
+
+def _explain_refs(refs: list[int], count: int) -> None:
+    """Raise a WireError naming a tensor frame not referred to by exactly one tensor."""
+    for index in range(1, count + 1):
+        n = refs.count(index)
+        if n != 1:
+            raise WireError(f"tensor frame {index} is referred to by {n} tensor descriptors; each of "
+                            f"the message's {count} tensor frames must be referred to by exactly one")
+    raise WireError(f"message has {count} tensor frames, its body refers to {len(refs)}")  # not reached
 
 
 def _tensor_from_ext(payload: bytes, frames, limits: Limits) -> tuple[TensorFrame, int]:
@@ -196,11 +207,13 @@ def _tensor_from_ext(payload: bytes, frames, limits: Limits) -> tuple[TensorFram
         index, dtype, shape = msgpack.unpackb(payload, raw=False, max_array_len=64)
     except Exception:
         raise WireError("malformed tensor descriptor") from None
-    if not isinstance(index, int) or not 1 <= index < len(frames):
-        raise WireError(f"tensor refers to frame {index!r}, message has {len(frames)} frames")
-    if dtype not in DTYPE_SIZES:
+    # type() is int, not isinstance: msgpack's true and false are not ints
+    if type(index) is not int or not 1 <= index < len(frames):
+        raise WireError(f"tensor frame_index {index!r} is not an int naming one of the message's "
+                        f"{len(frames) - 1} tensor frames (1..{len(frames) - 1})")
+    if type(dtype) is not str or dtype not in DTYPE_SIZES:
         raise WireError(f"tensor dtype {dtype!r} is not one of {sorted(DTYPE_SIZES)}")
-    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+    if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape):
         raise WireError(f"tensor shape {shape!r} is not a list of non-negative ints")
     data = frames[index]
     expected = math.prod(shape) * DTYPE_SIZES[dtype]
@@ -220,9 +233,57 @@ def _require(body: Any, schema: dict[str, type | tuple[type, ...]], what: str) -
     if version != VERSION:
         raise WireError(f"wire version {version!r} is not supported (this build speaks {VERSION})")
     for key, kind in schema.items():
-        if not isinstance(body.get(key), kind) or isinstance(body.get(key), bool) and kind is int:
-            raise WireError(f"{what} field {key!r} is {body.get(key)!r}, expected {_names(kind)}")
+        value = body.get(key)
+        # msgpack's true and false are not numbers: bool is an int only to Python
+        if not isinstance(value, kind) or type(value) is bool and kind is not bool:
+            raise WireError(f"{what} field {key!r} is {'missing' if key not in body else repr(value)}, "
+                            f"expected {_names(kind)}")
     return body
+
+
+# What `check_values` refuses and msgpack's options let through: a bin map key
+# (strict_map_key admits str and bytes) and msgpack's timestamp (ext type -1, which msgpack
+# decodes itself rather than handing it to ext_hook). ormsgpack's packer refuses both (a
+# key that is not a str, a type it does not know) in one call in Rust: a screen that costs
+# a few nanoseconds per value, and only what it refuses is looked at in Python.
+_screen = ormsgpack.packb
+_SCREEN_OPTIONS = ormsgpack.OPT_PASSTHROUGH_DATACLASS | ormsgpack.OPT_PASSTHROUGH_BIG_INT
+
+
+def _screen_default(value: Any) -> Any:
+    if type(value) is TensorFrame:  # a decoded tensor: what it holds was checked
+        return None
+    raise TypeError(type(value).__name__)
+
+
+def check_values(value: Any) -> None:
+    """Refuse (WireError) a map key that is not a str, or a msgpack timestamp, anywhere in
+    `value` (an event's d, a list of a burst's d, a heartbeat, a request): what d may hold is
+    "maps with str keys" and tensors, the only ext type carried (docs/protocol.md)."""
+    try:
+        _screen(value, default=_screen_default, option=_SCREEN_OPTIONS)
+    except Exception:  # refused by the screen (or nested past its 255 levels): look closely
+        _check_values_slowly(value)
+
+
+def _check_values_slowly(value: Any) -> None:
+    """check_values in Python, level by level (msgpack nests up to its own depth limit)."""
+    maps: list[dict] = []
+    lists: list[list] = [[value]]
+    while maps or lists:
+        values: list = []
+        for m in maps:
+            for key in m:
+                if type(key) is not str:
+                    raise WireError(f"map key {key!r} is {type(key).__name__}; map keys must be str")
+            values.extend(m.values())
+        for items in lists:
+            values.extend(items)
+        if any(type(v) is msgpack.Timestamp for v in values):
+            raise WireError("a msgpack timestamp (ext type -1) cannot travel: the only ext type "
+                            "carried is 1, a tensor")
+        maps = [v for v in values if type(v) is dict]
+        lists = [v for v in values if type(v) is list]
 
 
 def _names(kind) -> str:

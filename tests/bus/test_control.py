@@ -118,3 +118,60 @@ def test_malformed_and_oversized_requests_are_counted_and_the_server_goes_on(ser
         assert client.halt(timeout=5).result == {"step": 7}
     rogue.close()
     ctx.term()
+
+
+def _send(server, body: bytes) -> dict:
+    """One raw request from a DEALER, and the server's reply."""
+    import msgpack
+
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    try:
+        dealer.connect(server.endpoint)
+        dealer.send(body)
+        assert dealer.poll(5000), "the control server did not answer"
+        return msgpack.unpackb(dealer.recv())
+    finally:
+        dealer.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("fields,named", [
+    ({"op": "halt", "args": {"reason": 5}, "t": 1.0}, "halt args field 'reason' is 5, expected str"),
+    ({"op": "halt", "args": {}, "t": 1.0}, "halt args field 'reason' is missing"),
+    ({"op": "checkpoint", "args": {"reason": "x"}, "t": 1.0}, "checkpoint args field 'tag' is missing"),
+    ({"op": "checkpoint", "args": {"tag": "x", "filename": 7}, "t": 1.0}, "'filename' is 7"),
+    ({"op": "halt", "args": {"reason": "r"}}, "field 't' is missing, expected float"),
+    ({"op": "fly", "args": {}, "t": 1}, "field 't' is 1, expected float"),
+])
+def test_a_request_breaking_the_documented_layout_is_malformed_and_never_reaches_the_trainer(
+        server, fields, named):
+    reply = _send(server, encode_request("ctl", client="c", req=1, **fields))
+    assert reply["k"] == "error" and named in reply["error"]
+    assert server.stats.malformed == 1 and server.stats.received == 0 and server.poll() == []
+
+
+def test_a_checkpoint_filename_that_is_not_plain_is_refused_at_once(server):
+    with ControlClient(server.endpoint) as client:
+        ack = client.request("checkpoint", {"tag": "t", "filename": "../evil.pt"}, timeout=5)
+        assert not ack.ok and ack.error == ("checkpoint filename '../evil.pt' must be a plain file "
+                                            "name (letters, digits, '.', '-', '_')")
+        for name in (".hidden", "x" * 101, "é.pt", "a/b"):
+            assert not client.request("checkpoint", {"tag": "", "filename": name}, timeout=5).ok
+        assert server.poll() == [] and server.stats.refused == 5 and server.stats.malformed == 0
+        serve_in_background(server, lambda r: r.ack(step=1, path=r.args["filename"]))
+        ack = client.request("checkpoint", {"tag": "", "filename": "ep-1_best.pt"}, timeout=5)
+        assert ack.ok and ack.result["path"] == "ep-1_best.pt"
+
+
+def test_the_client_always_sends_the_args_each_op_must_carry(server):
+    got = []
+    serve_in_background(server, lambda r: (got.append((r.op, r.args)), r.ack(step=1)))
+    with ControlClient(server.endpoint) as client:
+        assert client.request("halt", timeout=5).ok
+        assert client.request("checkpoint", {"filename": "x.pt"}, timeout=5).ok
+        assert client.halt(timeout=5).ok and client.checkpoint(timeout=5).ok
+    assert got == [("halt", {"reason": ""}), ("checkpoint", {"tag": "", "filename": "x.pt"}),
+                   ("halt", {"reason": ""}), ("checkpoint", {"tag": ""})]
+    assert server.stats.malformed == 0

@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import enum
 import math
+import re
 import uuid
 
 import msgpack
@@ -150,6 +151,16 @@ def _body(**override):
     return b"batch_end\0" + msgpack.packb([body[f] for f in FIELDS])
 
 
+ONE_BYTE = msgpack.ExtType(1, msgpack.packb([1, "uint8", [1]]))  # a tensor of frame 1
+
+
+def _hb(**override):
+    body = msgpack.unpackb(encode_heartbeat("r", "p", 0, 9, {"batch_end": 7}, 0, 0.5, 3)[4:])
+    body.update(override)
+    body = {k: v for k, v in body.items() if v is not None}
+    return b"_hb\0" + msgpack.packb(body)
+
+
 BAD_EVENTS = {
     "empty": [],
     "no topic": [b"\x81\xa1v\x01"],
@@ -172,6 +183,28 @@ BAD_EVENTS = {
     "tensor bad dtype": [
         _body(d={"t": msgpack.ExtType(1, msgpack.packb([1, "object", [1]]))}), b"\0" * 8],
     "bad utf8 topic": [b"\xff\xfe\0" + msgpack.packb({"v": VERSION})],
+    # the documented rules msgpack's own options let through (tests/e2e/test_fuzz.py's oracle)
+    "kind not ev": [_body(k="hb")],
+    "bin key in d": [_body(d={b"loss": 0.5})],
+    "bin key nested in d": [_body(d={"x": [1, {"y": {b"k": 1}}]})],
+    "msgpack timestamp in d": [_body(d={"at": msgpack.Timestamp(1, 0)})],
+    "msgpack timestamp nested in d": [_body(d={"x": [[msgpack.Timestamp(1, 0)]]})],
+    "tensor frame_index true": [_body(d={"x": msgpack.ExtType(1, msgpack.packb([True, "uint8", [1]]))}),
+                                b"\x07"],
+    "tensor shape of true": [_body(d={"x": msgpack.ExtType(1, msgpack.packb([1, "uint8", [True]]))}),
+                             b"\x07"],
+    "one frame, two tensors": [_body(d={"x": ONE_BYTE, "y": ONE_BYTE}), b"\x07"],
+    "reserved topic": [b"_private" + _body()[len(b"batch_end"):]],
+    "burst topic": [b"_burst" + _body()[len(b"batch_end"):]],
+    "heartbeat kind not hb": [_hb(k="ev")],
+    "heartbeat tseq not ints": [_hb(tseq={"batch_end": "seven"})],
+    "heartbeat tseq bin key": [_hb(tseq={b"batch_end": 7})],
+    "heartbeat t true": [_hb(t=True)],
+    "heartbeat interval false": [_hb(interval=False)],
+    "heartbeat field missing": [_hb(beat=None)],
+    "heartbeat bin key": [_hb(**{"x": {b"k": 1}})],
+    "heartbeat timestamp": [_hb(x=msgpack.Timestamp(1, 0))],
+    "heartbeat with a tensor frame": [_hb(x=ONE_BYTE), b"\x07"],
 }
 
 
@@ -202,6 +235,13 @@ def test_deep_nesting_and_huge_declared_lengths_are_bounded():
         decode_event([huge_array])
 
 
+def _ctl(**override):
+    body = {"v": VERSION, "k": "ctl", "client": "c", "req": 1, "op": "halt", "args": {"reason": "r"},
+            "t": 1.0}
+    body.update(override)
+    return msgpack.packb({k: v for k, v in body.items() if v is not None})
+
+
 @pytest.mark.parametrize("raw", [b"", b"\xc1", msgpack.packb({"v": 1, "k": "nope"}),
                                  msgpack.packb({"v": 3, "k": "ctl"}),
                                  msgpack.packb({"v": 1, "k": "ctl", "client": "c", "req": "1",
@@ -209,6 +249,41 @@ def test_deep_nesting_and_huge_declared_lengths_are_bounded():
 def test_bad_requests_raise_wire_error(raw):
     with pytest.raises(WireError):
         decode_request(raw)
+
+
+@pytest.mark.parametrize("raw,field", [
+    (msgpack.packb({"v": VERSION, "k": "state_req"}), "'topics' is missing"),
+    (encode_request("state_req", topics=[1]), "'topics'"),
+    (encode_request("state_req", topics="batch_end"), "'topics'"),
+    (_ctl(t=None), "'t' is missing"),
+    (_ctl(t=1), "'t'"),
+    (_ctl(t=True), "'t'"),
+    (_ctl(op="fly", args={}, t=None), "'t' is missing"),  # an unknown op carries t too
+    (_ctl(args={}), "halt args field 'reason' is missing"),
+    (_ctl(args={"reason": 5}), "'reason' is 5"),
+    (_ctl(op="checkpoint", args={}), "checkpoint args field 'tag' is missing"),
+    (_ctl(op="checkpoint", args={"tag": b"x"}), "'tag'"),
+    (_ctl(op="checkpoint", args={"tag": "x", "filename": 5}), "'filename' is 5"),
+    (_ctl(args={"reason": "r", b"x": 1}), "map key b'x'"),
+    (_ctl(args={"reason": "r", "at": msgpack.Timestamp(1, 0)}), "timestamp"),
+    (msgpack.packb({"v": VERSION, "k": "info_req", "x": {b"k": 1}}), "map key b'k'"),
+])
+def test_requests_breaking_a_documented_rule_name_the_field(raw, field):
+    with pytest.raises(WireError, match=re.escape(field)):
+        decode_request(raw)
+
+
+@pytest.mark.parametrize("raw", [
+    encode_request("state_req", topics=None),  # every topic
+    encode_request("info_req", topics=0),  # a field info_req does not have is not read
+    encode_request("info_req", anything={"x": [1, None]}),
+    _ctl(args={"reason": "r", "by": "someone"}),  # a field added to args
+    _ctl(op="checkpoint", args={"tag": "", "filename": None}),
+    _ctl(op="checkpoint", args={"tag": "t", "filename": "../not/plain"}),  # refused, not malformed
+    _ctl(op="fly", args={"anything": b"x"}),  # an unknown op: refused, ok false, by the server
+])
+def test_requests_the_docs_allow_decode(raw):
+    assert decode_request(raw)["k"] in ("state_req", "info_req", "ctl")
 
 
 # ----------------------------------------------------------------------- bursts
@@ -364,6 +439,12 @@ BAD_BURSTS = {
     "tensor frame unused": _burst(_bu([GOOD_EVENT]), b"\0" * 8),
     "tensor frame too short": _burst(_bu([["batch_end", 1.0, TENSOR, TS]]), b"\0" * 8),
     "truncated": [_burst(_bu([GOOD_EVENT]))[0][:-4]],
+    "bin key in d": _burst(_bu([GOOD_EVENT, ["batch_end", 2.0, {"x": {b"k": 1}}]])),
+    "msgpack timestamp in d": _burst(_bu([GOOD_EVENT, ["batch_end", 2.0, {"at": msgpack.Timestamp(1, 0)}]])),
+    "one frame, two tensors": _burst(_bu([["batch_end", 1.0, TENSOR, TS], ["batch_end", 2.0, TENSOR]]),
+                                     b"\0" * 16),
+    "tensor shape of true": _burst(_bu([["batch_end", 1.0, {"t": msgpack.ExtType(
+        1, msgpack.packb([1, "int64", [True]]))}, TS]]), b"\0" * 8),
 }
 
 

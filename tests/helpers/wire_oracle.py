@@ -41,10 +41,12 @@ TENSOR_EXT = 1
 HEARTBEAT, BURST = "_hb", "_burst"
 REQUEST_KINDS = ("ctl", "state_req", "info_req")
 CONTROL_OPS = ("halt", "checkpoint")
-PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9._-]+\Z")
-#: checks the product makes that docs/protocol.md does not, applied only when imposed:
+#: a checkpoint file name the control server takes; a checkpoint request naming any other
+#: str is refused at once (ok: false, like an unknown op), not counted malformed
+PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}\Z")
+#: checks the product made that docs/protocol.md does not, applied only when imposed:
 #: "info-topics": an info_req's `topics`, a field it does not have, must be [str] or nil
-#: (the docs: "Adding a field to a map is not a version change")
+#: (the docs: "Adding a field to a map is not a version change"; the product no longer does)
 PRODUCT_ONLY = frozenset({"info-topics"})
 
 
@@ -375,11 +377,12 @@ def _request(frames, ck: _Check) -> dict:
         args = body["args"]
         if body["op"] == "halt":  # {reason: str}
             ck.need(type(args.get("reason")) is str, "ctl-args", f"halt args {args!r}")
-        elif body["op"] == "checkpoint":  # {tag: str, filename: a plain file name (optional)}
+        elif body["op"] == "checkpoint":  # {tag: str, filename: str (optional)}
             ck.need(type(args.get("tag")) is str, "ctl-args", f"checkpoint args {args!r}")
             name = args.get("filename")
-            ck.need(name is None or type(name) is str and bool(PLAIN_FILE_NAME.match(name)),
-                    "ctl-args", f"checkpoint filename {name!r}")
+            # a str that is not a plain file name (PLAIN_FILE_NAME) is a readable request,
+            # refused at once with ok: false like an unknown op: not a malformed one
+            ck.need(name is None or type(name) is str, "ctl-args", f"checkpoint filename {name!r}")
         # any other op is readable and refused at once (ok: false); its args are not specified
     return body
 
