@@ -27,12 +27,16 @@ what a user pays in total, a burst's occasional stall included. Beside it, for e
 ratio: the ratio of pooled medians (`_median`), of pooled 90th percentiles (`_p90`) and
 the median of per-block ratios (`_block_median`, the figure a slow spell of the machine
 moves least). The heavy workers fall behind by design: their gaps (events they never
-saw, counted by sequence number) are reported with each case.
+saw, counted by sequence number) and how far behind they were as each block ended are
+reported with each case.
 
 The cases take turns in short blocks (250 steps by default, about 70 ms here; 40 steps,
 about 100 ms, for the large MLP): one block of each case, again and again, so every
-ratio compares blocks run tens of milliseconds apart. Each Trainer is built once, with
-its workers, and trains each block with `fit(duration=...)` to 250 more batches; the
+ratio compares blocks run tens of milliseconds apart. Each Trainer of (b) and (c) is built
+once, with its worker, and trains each block with `fit(duration=...)` to 250 more
+batches; (d) and (e) get a fresh Trainer and workers for every block, ended after it,
+because their workers stay busy with a backlog and would otherwise load the machine
+while the other cases run (they did: c/a on the large MLP read 1.09 instead of 1.05). The
 first steps of every block are discarded as warm-up, and a short pause between blocks
 lets a worker finish the events of the block before. Trainer construction, worker
 start-up and close() are outside the timed spans.
@@ -205,7 +209,8 @@ class TrainerLoop:
     to a file of its own in the run directory."""
 
     def __init__(self, size: str, batches: list, callbacks: list, publish: bool, *,
-                 heavy: type[Heavy] | None = None, workers: int = 0, **trainer_args) -> None:
+                 heavy: type[Heavy] | None = None, workers: int = 0, shutdown_timeout: float = 5,
+                 **trainer_args) -> None:
         model, opt = make_model(size)
         self.run_dir = tempfile.mkdtemp(prefix="offloop-bench-")
         self.reports = [os.path.join(self.run_dir, f"heavy-{i}.json") for i in range(workers)]
@@ -214,12 +219,12 @@ class TrainerLoop:
         self.loader = Blocks(batches)
         self.trainer = Trainer(model, self.loader, max_duration="1ba", loss_fn=F.cross_entropy,
                                optimizers=opt, run_dir=self.run_dir, callbacks=callbacks,
-                               publish=publish, eval_dataloader=None, seed=SEED, worker_shutdown_timeout=5,
-                               **trainer_args)
+                               publish=publish, eval_dataloader=None, seed=SEED,
+                               worker_shutdown_timeout=shutdown_timeout, **trainer_args)
         self.trained = 0
 
     def heavy_reports(self) -> dict:
-        """What the heavy callbacks had seen when the timed blocks ended: events, gaps, and
+        """What the heavy callbacks had seen when the last block ended: events, gaps, and
         how many batches behind the trainer they were."""
         seen = []
         for path in self.reports:
@@ -252,6 +257,37 @@ class TrainerLoop:
         return info
 
 
+class HeavyLoop:
+    """(d), (e): a fresh Trainer with its heavy workers for every block, closed after it
+    (outside the timed span). Heavy workers fall behind by design and stay busy with their
+    backlog: kept alive between blocks, they would load the machine while every other case
+    runs, and slow the denominators of the very ratios they are compared with."""
+
+    def __init__(self, size: str, batches: list, heavy: type[Heavy], workers: int, **trainer_args) -> None:
+        self.args = (size, batches, heavy, workers, trainer_args)
+        self.seen: list[dict] = []
+        self.drops = 0
+
+    def run(self, steps: int, warmup: int) -> list[float]:
+        size, batches, heavy, workers, trainer_args = self.args
+        loop = TrainerLoop(size, batches, [], True, heavy=heavy, workers=workers, shutdown_timeout=0.5,
+                           **trainer_args)
+        try:
+            kept = loop.run(steps, warmup)
+            self.seen.append(loop.heavy_reports())
+        finally:
+            self.drops += loop.close()["publisher_drops"]
+        return kept
+
+    def close(self) -> dict:
+        """What the heavy callbacks had seen as each block ended, over every block."""
+        return {"publisher_drops": self.drops,
+                "heavy_events_seen": sum(r["heavy_events_seen"] for r in self.seen),
+                "heavy_gaps": sum(r["heavy_gaps"] for r in self.seen),
+                "heavy_batches_behind_per_block": round(statistics.fmean(
+                    statistics.fmean(r["heavy_batches_behind"]) for r in self.seen), 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=250, help="steps per block of each tiny case")
@@ -268,9 +304,9 @@ def main() -> None:
         "plain": PlainLoop("tiny", tiny),
         "bus_off": TrainerLoop("tiny", tiny, [], publish=False),
         "bus_on": TrainerLoop("tiny", tiny, [EveryEvent()], publish=True),
-        "heavy_sleep": TrainerLoop("tiny", tiny, [], publish=True, heavy=Heavy, workers=HEAVY_WORKERS),
-        "heavy_cpu": TrainerLoop("tiny", tiny, [], publish=True, heavy=HeavyCPU, workers=1),
-        "heavy_cpu_nice0": TrainerLoop("tiny", tiny, [], publish=True, heavy=HeavyCPU, workers=1, worker_nice=0),
+        "heavy_sleep": HeavyLoop("tiny", tiny, Heavy, HEAVY_WORKERS),
+        "heavy_cpu": HeavyLoop("tiny", tiny, HeavyCPU, 1),
+        "heavy_cpu_nice0": HeavyLoop("tiny", tiny, HeavyCPU, 1, worker_nice=0),
         "plain_large": PlainLoop("large", large),
         "bus_off_large": TrainerLoop("large", large, [], publish=False),
         "bus_on_large": TrainerLoop("large", large, [EveryEvent()], publish=True),
@@ -288,9 +324,7 @@ def main() -> None:
             print(f"block {b}/{args.blocks}: " + ", ".join(
                 f"{case} {statistics.fmean(kept[-1]):.1f} us" for case, kept in blocks.items()),
                 file=sys.stderr, flush=True)
-    # what the heavy callbacks had seen as the timed blocks ended, before close() waits for them
-    seen = {case: loop.heavy_reports() for case, loop in loops.items() if isinstance(loop, TrainerLoop)}
-    info = {case: {**loop.close(), **seen.get(case, {})} for case, loop in loops.items()}
+    info = {case: loop.close() for case, loop in loops.items()}
     heavy_warmup = 2
     inprocess = PlainLoop("tiny", tiny, [Heavy() for _ in range(HEAVY_WORKERS)])
     blocks["inprocess_heavy"] = [inprocess.run(heavy_warmup + args.heavy_steps, heavy_warmup)]
