@@ -1,0 +1,201 @@
+"""The control channel's guarantees at their edges (tests that kill mutants of
+bus/control.py): stored acks are bounded and a kept one answers its retries, a refusal
+is stored like an ack, the size limit is exact, a message of the wrong shape is counted,
+and a silent server gets one attempt per retry interval, no more."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from offloop.bus import ControlClient, ControlServer, ControlTimeout
+from offloop.bus.errors import WireError
+from offloop.bus.wire import Limits, encode_request
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.005)
+
+
+class Trainer:
+    """Stands in for the trainer's loop: polls the server from a thread and acks every
+    request with the order it was applied in; `applied` lists (client, req) once each."""
+
+    def __init__(self, server: ControlServer) -> None:
+        self.server, self.applied = server, []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.done.is_set():
+            for request in self.server.poll():
+                self.applied.append(request.key)
+                request.ack(order=len(self.applied))
+            time.sleep(0.005)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def small_server():
+    server = ControlServer(keep_acks=2)
+    server.start()
+    trainer = Trainer(server)
+    yield server, trainer
+    trainer.stop()
+    server.close()
+
+
+def test_stored_acks_are_bounded_and_a_retry_of_a_kept_one_gets_its_ack_not_a_second_application(
+        small_server):
+    server, trainer = small_server
+    once = {"timeout": 10, "retry": 10}  # one attempt each: every retry below is one we send
+    with ControlClient(server.endpoint, client_id="c") as client:
+        first = [client.request("checkpoint", req=req, **once) for req in (1, 2, 3)]
+        assert [ack.result["order"] for ack in first] == [1, 2, 3]
+        # the two newest acks are kept: their retries are answered from memory
+        assert client.request("checkpoint", req=2, **once) == first[1]
+        assert client.request("checkpoint", req=3, **once) == first[2]
+        assert trainer.applied == [("c", 1), ("c", 2), ("c", 3)]
+        assert (server.stats.received, server.stats.duplicates) == (5, 2)
+        # the oldest was forgotten to keep the bound: a retry of it this late is new again
+        assert client.request("checkpoint", req=1, **once).result["order"] == 4
+        assert client.attempts == 6
+    assert (server.stats.received, server.stats.acked) == (6, 4)
+
+
+def test_a_refused_request_retried_gets_the_same_refusal_and_is_refused_once(small_server):
+    server, trainer = small_server
+    with ControlClient(server.endpoint, client_id="c") as client:
+        refusal = client.request("reboot", req=7, timeout=10, retry=10)
+        assert not refusal.ok and "valid ops are halt, checkpoint" in refusal.error
+        assert client.request("reboot", req=7, timeout=10, retry=10) == refusal
+    assert (server.stats.refused, server.stats.duplicates) == (1, 1)
+    assert trainer.applied == []
+
+
+def body_of(size: int, client: str = "c", req: int = 1) -> dict:
+    """Halt args whose control request encodes to exactly `size` bytes."""
+    def encoded(n):
+        return len(encode_request("ctl", client=client, req=req, op="halt",
+                                  args={"reason": "x" * n}, t=0.0))
+    n = 300 + size - encoded(300)  # a str8/str16 header is the same length all the way
+    assert encoded(n) == size
+    return {"reason": "x" * n}
+
+
+def test_a_request_exactly_at_the_size_limit_is_served_and_one_byte_over_is_refused_by_length():
+    limits = Limits(max_body_bytes=1000)
+    server = ControlServer(limits=limits)
+    server.start()
+    trainer = Trainer(server)
+    try:
+        with ControlClient(server.endpoint, client_id="c", limits=limits) as client:
+            assert client.request("halt", body_of(1000), req=1, timeout=10).ok
+            with pytest.raises(WireError, match="request is 1001 bytes, the limit is 1000"):
+                client.request("halt", body_of(1001, req=2), req=2, timeout=10)
+        assert server.stats.oversized == 1 and trainer.applied == [("c", 1)]
+    finally:
+        trainer.stop()
+        server.close()
+
+
+def test_a_message_of_more_than_one_frame_is_counted_malformed_and_never_reaches_the_trainer(
+        small_server):
+    server, trainer = small_server
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.linger = 0
+    try:
+        rogue.connect(server.endpoint)
+        request = encode_request("ctl", client="r", req=1, op="halt", args={}, t=0.0)
+        rogue.send_multipart([request, request])
+        wait_until(lambda: server.stats.malformed > 0, 10, "the two-frame message to be counted")
+        with ControlClient(server.endpoint, client_id="c") as client:
+            assert client.halt(timeout=10).ok  # the server went on
+        assert server.stats.malformed == 1 and server.stats.received == 1
+        assert [client for client, _ in trainer.applied] == ["c"]
+    finally:
+        rogue.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_silent_server_gets_one_attempt_per_retry_interval_until_the_timeout(free_port):
+    client = ControlClient(f"tcp://127.0.0.1:{free_port}")
+    started = time.monotonic()
+    with pytest.raises(ControlTimeout, match=r"no acknowledgement for halt .* within 1s"):
+        client.halt(timeout=1.0, retry=0.25)
+    assert 1.0 <= time.monotonic() - started < 5
+    # at 0, 0.25, 0.5 and 0.75 s; a few more may fit in the deadline's last millisecond,
+    # where the poll's timeout rounds down to nothing
+    assert 4 <= client.attempts < 50
+    client.close()
+
+
+def test_a_closed_server_has_stopped_serving_and_freed_its_port_even_on_a_shared_context(free_port):
+    ctx = zmq.Context()
+    try:
+        first = ControlServer(port=free_port, context=ctx)
+        first.start()
+        started = time.monotonic()
+        first.close()
+        assert time.monotonic() - started < 3  # its thread saw the stop: no 5 s join timeout
+        # the port is free again (libzmq closes a socket's listener asynchronously: soon)
+        second = ControlServer(port=free_port, context=ctx)
+        deadline = time.monotonic() + 3
+        while True:
+            try:
+                assert second.start() == f"tcp://127.0.0.1:{free_port}"
+                break
+            except zmq.ZMQError:  # the failed socket is closed by ctx.destroy() below
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        trainer = Trainer(second)
+        with ControlClient(second.endpoint, context=ctx) as client:
+            assert client.halt(timeout=10).ok
+        trainer.stop()
+        second.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_the_client_takes_only_the_ack_of_its_own_request(free_port):
+    # a server that first answers with acks for another request and another client
+    from offloop.bus.wire import decode_request, encode_reply
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind(f"tcp://127.0.0.1:{free_port}")
+
+    def answer():
+        if router.poll(10_000):
+            identity, body = router.recv_multipart()
+            req = decode_request(body)
+            for client, number in (("c", req["req"] + 1), ("someone-else", req["req"]),
+                                   (req["client"], req["req"])):
+                router.send_multipart([identity, encode_reply(
+                    "ack", client=client, req=number, op="halt", ok=True,
+                    result={"who": f"{client}/{number}"}, error=None)])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        with ControlClient(f"tcp://127.0.0.1:{free_port}", client_id="c") as client:
+            ack = client.request("halt", req=5, timeout=10, retry=10)
+        assert (ack.client, ack.req, ack.result) == ("c", 5, {"who": "c/5"})
+    finally:
+        thread.join(15)
+        router.close()
+        ctx.destroy(linger=0)

@@ -1,0 +1,100 @@
+"""Checkpoint files at their edges (tests that kill mutants of trainer/checkpoint.py): a
+write that fails part-way leaves the previous file and no temporary one, a full disk is
+refused as a CheckpointError however torch wraps it, an interrupt stays an interrupt, and
+a file name can never leave the checkpoint folder."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+
+from offloop.bus import ControlRequest
+from offloop.trainer.checkpoint import (
+    check_filename,
+    load_checkpoint,
+    requested_name,
+    save_checkpoint,
+)
+from offloop.trainer.errors import CheckpointError
+
+
+class FailsWhenSaved:
+    """A payload value whose pickling calls `fail` (which raises), after torch.save has
+    begun writing the file."""
+
+    def __init__(self, fail) -> None:
+        self.fail = fail
+
+    def __reduce__(self):
+        self.fail()
+
+
+def raise_(exc):
+    def fail():
+        raise exc
+    return fail
+
+
+def disk_full_inside_torch():
+    # what torch.save raises on a full disk: a RuntimeError raised while handling the OSError
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos")  # noqa: B904
+
+
+def test_a_write_that_fails_part_way_leaves_the_previous_checkpoint_whole_and_no_temporary_file(tmp_path):
+    path = save_checkpoint(tmp_path / "ckpt.pt", {"weights": torch.arange(4)})
+    with pytest.raises(ValueError, match="not picklable here"):
+        save_checkpoint(path, {"weights": torch.zeros(1000), "bad": FailsWhenSaved(
+            raise_(ValueError("not picklable here")))})
+    assert torch.equal(load_checkpoint(path)["weights"], torch.arange(4))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def test_a_full_disk_under_torchs_runtime_error_is_refused_as_a_checkpoint_error_naming_it(tmp_path):
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*ckpt\.pt: No space left on device"):
+        save_checkpoint(tmp_path / "ckpt.pt", {"w": torch.zeros(10), "x": FailsWhenSaved(disk_full_inside_torch)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupt_during_a_write_stays_an_interrupt_and_leaves_no_file(tmp_path):
+    def interrupt():  # an interrupt while handling a write error: still not a CheckpointError
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise KeyboardInterrupt  # noqa: B904
+
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path / "ckpt.pt", {"x": FailsWhenSaved(interrupt)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_is_written_into_missing_folders(tmp_path):
+    path = save_checkpoint(tmp_path / "a" / "b" / "ckpt.pt", {"step": 3})
+    assert load_checkpoint(path) == {"step": 3}
+
+
+@pytest.mark.parametrize("name", ["../evil.pt", "a/b.pt", ".hidden.pt", "", "x" * 101 + ".pt",
+                                  "sp ace.pt", 5])
+def test_a_file_name_that_could_leave_the_folder_or_is_not_plain_is_refused(name):
+    with pytest.raises(CheckpointError, match="must be a plain file name"):
+        check_filename(name)
+
+
+@pytest.mark.parametrize("name", [None, "best.pt", "ep0-ba3_final.v2.pt", "x" * 100])
+def test_a_plain_file_name_or_none_is_accepted(name):
+    check_filename(name)
+
+
+def request(**args) -> ControlRequest:
+    return ControlRequest("client", 1, "checkpoint", args, 0.0)
+
+
+def test_requests_saved_together_join_their_cleaned_tags_and_take_the_first_file_name():
+    assert requested_name([request(tag="best"), request(), request(tag="a/b", filename="x.pt"),
+                           request(filename="y.pt")]) == ("best-a_b", "x.pt")
+    assert requested_name([request(tag="..up")]) == ("up", None)
+    assert requested_name([]) == ("sigterm", None)  # no request: a SIGTERM asked

@@ -1,0 +1,77 @@
+"""The trainer's side of the control path at its edges (tests that kill mutants of
+trainer/control.py and trainer/checkpoint.py): requests answered together are saved
+once and each acked with that one file, the totals the events carry count every request
+and every save (a late joiner gets only the latest of each), and a checkpoint asked
+right after a halt or a refused request is not lost with it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from common import GatedDataset, ask, data, loader, mlp
+from test_trainer_control import gated_run
+
+from offloop.trainer import Trainer
+
+F = torch.nn.functional
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.005)
+
+
+def test_two_checkpoint_requests_at_one_batch_are_saved_once_together_and_every_total_counts_them(tmp_path):
+    trainer, acks, events = gated_run(tmp_path, 20, [("checkpoint", {"tag": "a"}, "a"),
+                                                     ("checkpoint", {"tag": "b"}, "b")])
+    a, b = acks["a"], acks["b"]
+    assert a.ok and b.ok and a.result == b.result and a.result["step"] == 3
+    path = Path(a.result["path"])
+    assert path.name in ("ep0-ba3-a-b.pt", "ep0-ba3-b-a.pt")  # the tags joined, in arrival order
+    requests = [d for topic, _, d in events if topic == "control_request"]
+    assert [d["count"] for d in requests] == [1, 2]
+    saved = [d for topic, _, d in events if topic == "checkpoint_saved"]
+    assert len(saved) == 1 and saved[0]["count"] == 1 and saved[0]["path"] == str(path)
+    assert sorted(client for client, _ in saved[0]["requested_by"]) == sorted(d["client"] for d in requests)
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    assert trainer.timestamp.batch == 24  # training went on
+
+
+@pytest.mark.parametrize("first", [("halt", {"reason": "enough"}), ("checkpoint", {"filename": "../x.pt"})],
+                         ids=["halt", "refused-checkpoint"])
+def test_a_checkpoint_asked_after_a_halt_or_a_refused_request_at_the_same_batch_is_still_written(
+        tmp_path, first):
+    dataset = GatedDataset(data(64), 20)  # item 20 of the shuffled epoch: the third batch
+    trainer = Trainer(mlp(), loader(dataset=dataset, batch_size=8), "3ep", loss_fn=F.cross_entropy,
+                      seed=7, run_dir=tmp_path / "run")
+    acks: dict = {}
+
+    def line_up():  # `first` arrives first, the checkpoint after it; both before batch 3 ends
+        assert dataset.reached.wait(30)
+        threads = []
+        for n, (op, args, key) in enumerate([(*first, "first"), ("checkpoint", {"tag": "last"}, "last")]):
+            threads.append(ask(trainer.control.endpoint, op, args, acks, key=key))
+            wait_until(lambda n=n: trainer.control.stats.received > n, 10, f"request {n + 1} to arrive")
+        dataset.release.set()
+        for thread in threads:
+            thread.join(30)
+
+    helper = threading.Thread(target=line_up, daemon=True)
+    helper.start()
+    trainer.fit()
+    helper.join(40)
+    trainer.close()
+    if first[0] == "halt":
+        assert acks["first"].ok and acks["first"].result["step"] == 3
+    else:  # refused, by the trainer or before it by the server (either way, alone)
+        assert not acks["first"].ok and "must be a plain file name" in acks["first"].error
+    assert acks["last"].ok and acks["last"].result["step"] == 3
+    assert Path(acks["last"].result["path"]).name == "ep0-ba3-last.pt"
+    assert trainer.timestamp.batch == (3 if first[0] == "halt" else 24)
