@@ -6,8 +6,9 @@ dropped by libzmq before any decoding. Figures: `pytest -s`, quoted in docs/reli
 What is malformed is not decided by the decoders under test: `helpers.wire_oracle` states
 the wire rules of docs/protocol.md on its own, and every example holds the product's verdict
 (decoded to these fields / refused and counted / this reply) to the oracle's for the same
-bytes, both ways. The few documented rules the product does not enforce are listed in
-`KNOWN`, each with a failing (xfail) test of its own; the fuzz tests waive only those."""
+bytes, both ways. A documented rule found unenforced goes into `KNOWN`, which the fuzz tests
+waive (and only those), until the product enforces it: the 14 found this way are enforced
+now, each with a regression test in tests/bus/test_wire.py or test_control.py."""
 
 from __future__ import annotations
 
@@ -61,10 +62,9 @@ def wait_until(condition, timeout: float, what: str) -> None:
 
 # ----------------------------------------------------- the oracle, and where it is waived
 
-#: Documented wire rules the product does not enforce (docs/protocol.md, unless said): each
-#: has an xfail test below (`test_the_product_enforces_the_documented_rule`). The fuzz
-#: tests hold the product to the oracle with these rules, and only these, waived, and report
-#: how often each came up.
+#: Documented wire rules the product does not enforce (docs/protocol.md, unless said), by
+#: the oracle's rule name, with why. The fuzz tests hold the product to the oracle with
+#: these rules, and only these, waived, and report how often each came up.
 KNOWN: dict[str, str] = {}  # none left: each rule listed here once is enforced now
 
 
@@ -685,26 +685,8 @@ def test_bad_requests_at_the_state_socket_are_counted_and_heartbeats_keep_flowin
 
 # ------------------------------------------- the oracle, and the rules the product breaks
 
-ONE_BYTE = msgpack.ExtType(1, msgpack.packb([1, "uint8", [1]]))  # a tensor of frame 1
-
-
 def _framed(topic: bytes, body) -> bytes:
     return topic + b"\0" + msgpack.packb(body)
-
-
-def _with_d(d: dict) -> list:
-    return [*VALID_EVENT[:9], d]
-
-
-def _heartbeat(**fields) -> dict:
-    return {**VALID_HEARTBEAT, **fields}
-
-
-#: for each rule in KNOWN, a message that breaks that rule and no other, and the oracle
-#: that judges it (the one for subscribers, the control socket or the state socket)
-BREAKING: dict = {}  # one message per rule in KNOWN (tests/bus/test_wire.py and test_control.py
-# keep those of the rules enforced since)
-assert set(BREAKING) == set(KNOWN)
 
 
 def test_the_oracle_takes_what_the_product_sends_and_refuses_the_nasties():
@@ -720,60 +702,3 @@ def test_the_oracle_takes_what_the_product_sends_and_refuses_the_nasties():
     for nasty in NASTIES:
         assert not wire_oracle.message([b"batch_end\0" + nasty]), nasty
         assert not wire_oracle.control([nasty]) and not wire_oracle.state_socket([nasty]), nasty
-
-
-@pytest.mark.parametrize("rule", sorted(KNOWN))
-def test_the_oracle_refuses_each_known_disagreement_by_its_rule_alone(rule):
-    judge, frames = BREAKING[rule]
-    if rule in wire_oracle.PRODUCT_ONLY:  # valid by the docs; malformed by the product's check
-        assert judge(frames) and judge(frames, waive=KNOWN)
-        verdict = judge(frames, impose={rule})
-        assert not verdict and verdict.rule == rule, verdict
-        return
-    verdict = judge(frames)
-    assert not verdict and verdict.rule == rule, verdict
-    assert judge(frames, waive={rule}), "the message breaks another rule too"
-
-
-def _product_agrees(judge, frames) -> bool:
-    """Whether the product's verdict on `frames` is the oracle's (`judge`), no rule waived."""
-    return _product_refuses(judge, frames) != bool(judge(frames))
-
-
-def _product_refuses(judge, frames) -> bool:
-    """The product's own verdict on `frames`, where the oracle's `judge` would be used."""
-    if judge is wire_oracle.message:
-        try:
-            decode_burst(frames) if frames[0].startswith(b"_burst\0") else decode_event(frames)
-        except WireError:
-            return True
-        return False
-    ctx = zmq.Context()
-    if judge is wire_oracle.control:
-        server = bus_control.ControlServer(context=ctx)
-        endpoint = server.start()
-    else:
-        server = Publisher("fuzz-rules", context=ctx)
-        server.start()
-        endpoint = server.endpoints["state"]
-    dealer = ctx.socket(zmq.DEALER)
-    try:
-        dealer.connect(endpoint)
-        dealer.send_multipart(frames)
-        if judge is wire_oracle.control:
-            wait_until(lambda: server.stats.malformed + server.stats.received > 0, 10,
-                       "the control server to read the request")
-            return server.stats.malformed == 1 and not server.inbox
-        assert dealer.poll(10_000)
-        return msgpack.unpackb(dealer.recv_multipart()[0])["k"] == "error"
-    finally:
-        dealer.close(linger=0)
-        server.close()
-        ctx.term()
-
-
-@pytest.mark.parametrize("rule", [pytest.param(rule, marks=pytest.mark.xfail(
-    strict=True, reason=f"product breaks wire rule {rule!r}: {why}")) for rule, why in sorted(KNOWN.items())])
-def test_the_product_enforces_the_documented_rule(rule):
-    judge, frames = BREAKING[rule]
-    assert _product_agrees(judge, frames), f"the product breaks {rule!r}: {KNOWN[rule]}"
