@@ -10,18 +10,11 @@ import time
 
 import pytest
 import zmq
+from helpers.waiting import wait_until
 
 from offloop.bus import ControlClient, ControlServer, ControlTimeout
 from offloop.bus.errors import WireError
 from offloop.bus.wire import Limits, encode_request
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.005)
 
 
 class Trainer:

@@ -24,6 +24,7 @@ import pytest
 import torch
 import zmq
 from helpers import wire_oracle
+from helpers.waiting import wait_until
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, TensorDataset
@@ -52,12 +53,6 @@ def report(case: str, **figures) -> None:
     print(json.dumps({"case": case, **figures}))
 
 
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.001)
 
 
 # ----------------------------------------------------- the oracle, and where it is waived

@@ -7,12 +7,12 @@ right after a halt or a refused request is not lost with it."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from common import GatedDataset, ask, data, loader, mlp
+from helpers.waiting import wait_until
 from test_trainer_control import gated_run
 
 from offloop.trainer import Trainer
@@ -20,12 +20,6 @@ from offloop.trainer import Trainer
 F = torch.nn.functional
 
 
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.005)
 
 
 def test_two_checkpoint_requests_at_one_batch_are_saved_once_together_and_every_total_counts_them(tmp_path):

@@ -1,0 +1,15 @@
+"""Waiting in tests: a condition with a deadline, never a bare sleep."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.005) -> None:
+    """Return once `condition()` is true; fail the test, naming `what`, after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
