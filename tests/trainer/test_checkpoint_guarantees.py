@@ -98,3 +98,27 @@ def test_requests_saved_together_join_their_cleaned_tags_and_take_the_first_file
                            request(filename="y.pt")]) == ("best-a_b", "x.pt")
     assert requested_name([request(tag="..up")]) == ("up", None)
     assert requested_name([]) == ("sigterm", None)  # no request: a SIGTERM asked
+
+
+class Arbitrary:
+    """Not a tensor, a number or a container: what a weights_only load must refuse."""
+
+
+def test_a_checkpoint_holding_arbitrary_objects_is_refused_not_unpickled(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "payload": Arbitrary()}, path)  # unpickling it would run its class's code
+    with pytest.raises(CheckpointError, match="is not a readable offloop checkpoint"):
+        load_checkpoint(path)
+
+
+def test_a_tag_is_cut_to_a_hundred_characters_of_a_file_name():
+    tag, _ = requested_name([request(tag="t" * 300)])
+    assert tag == "t" * 100
+
+
+def test_an_exception_chain_that_loops_back_on_itself_is_no_full_disk_and_does_not_hang(tmp_path):
+    first, second = RuntimeError("first"), RuntimeError("second")
+    first.__context__, second.__context__ = second, first  # a cycle: no OSError anywhere
+    with pytest.raises(RuntimeError, match="first"):
+        save_checkpoint(tmp_path / "c.pt", {"x": FailsWhenSaved(raise_(first))})
+    assert list(tmp_path.iterdir()) == []
