@@ -205,6 +205,9 @@ BAD_EVENTS = {
     "heartbeat bin key": [_hb(**{"x": {b"k": 1}})],
     "heartbeat timestamp": [_hb(x=msgpack.Timestamp(1, 0))],
     "heartbeat with a tensor frame": [_hb(x=ONE_BYTE), b"\x07"],
+    # each of ts's five counters checked, not only some of them
+    **{f"ts[{i}] {kind}": [_body(ts=[0] * i + [bad] + [0] * (4 - i))]
+       for i in range(5) for kind, bad in (("float", 1.5), ("bool", True))},
 }
 
 
