@@ -33,7 +33,7 @@ import cloudpickle
 
 from offloop.trainer.errors import ConfigError
 
-__all__ = ["CallbackWorkers", "WORKER_PROGRAM", "check_picklable", "process_groups"]
+__all__ = ["CallbackWorkers", "WORKER_PROGRAM", "process_groups"]
 
 WORKER_PROGRAM = "offloop.workers.spawned"
 log = logging.getLogger("offloop.trainer")
@@ -49,13 +49,8 @@ def process_groups(callbacks: list) -> list[list]:
     return [group for group in groups.values() if group]
 
 
-def check_picklable(callbacks: list) -> None:
-    """Each callback is sent to its worker process by value: refuse one that cannot be."""
-    for callback in callbacks:
-        _serialized(callback)
-
-
 def _serialized(callback: Any) -> bytes:
+    """The callback as its worker process rebuilds it (by value); ConfigError if it cannot be."""
     try:
         return cloudpickle.dumps(callback)
     except Exception as exc:
@@ -87,8 +82,8 @@ class _Process:
 
 
 class _Worker:
-    def __init__(self, callbacks: list, process, conn) -> None:
-        self.callbacks, self.process, self.conn = callbacks, process, conn
+    def __init__(self, callbacks: list, payloads: list[bytes], process, conn) -> None:
+        self.callbacks, self.payloads, self.process, self.conn = callbacks, payloads, process, conn
         self.names = [type(callback).__name__ for callback in callbacks]
         self.name = "+".join(self.names)
         self.ready = False
@@ -124,6 +119,10 @@ class CallbackWorkers:
                  keys: str | None = None, max_restarts: int = 3,
                  heartbeat_timeout: float = 10.0, nice: int = 10) -> None:
         self.callbacks = list(callbacks)
+        # serialized once, here: a callback that cannot travel fails the Trainer before its
+        # sockets exist, and a restarted worker gets the callbacks as they were sent first
+        self._groups = [(group, [_serialized(callback) for callback in group])
+                        for group in process_groups(self.callbacks)]
         #: added to each worker's nice value: on a CPU it shares with the training loop, the
         #: loop comes first (a worker catches up in the gaps; its queue is bounded and counted)
         self.nice = nice
@@ -150,8 +149,8 @@ class CallbackWorkers:
         the callback and the cause, if one cannot start: before `init`, not a run without it."""
         if not self.callbacks:
             return
-        for group in process_groups(self.callbacks):
-            self.workers.append(self._spawn(group))
+        for group, payloads in self._groups:
+            self.workers.append(self._spawn(group, payloads))
         deadline = time.monotonic() + self.ready_timeout
         while not all(w.ready or w.gone for w in self.workers):
             left = deadline - time.monotonic()
@@ -167,8 +166,7 @@ class CallbackWorkers:
                                         name="offloop-supervisor")
         self._thread.start()
 
-    def _spawn(self, callbacks: list) -> _Worker:
-        payloads = [_serialized(callback) for callback in callbacks]
+    def _spawn(self, callbacks: list, payloads: list[bytes]) -> _Worker:
         ours, theirs = socket.socketpair()
         try:
             popen = subprocess.Popen([sys.executable, "-m", WORKER_PROGRAM, str(theirs.fileno())],
@@ -181,13 +179,13 @@ class CallbackWorkers:
         conn.send_bytes(pickle.dumps(settings))
         for payload in payloads:
             conn.send_bytes(payload)
-        return _Worker(callbacks, _Process(popen), conn)
+        return _Worker(callbacks, payloads, _Process(popen), conn)
 
     def _restart(self, worker: _Worker) -> None:
         """Start a fresh process for a worker that died; it carries on from the late-join state."""
         if self._stopping or worker.restarts >= self.max_restarts:
             return
-        fresh = self._spawn(worker.callbacks)
+        fresh = self._spawn(worker.callbacks, worker.payloads)
         fresh.restarts = worker.restarts + 1
         with self._lock:
             self.workers[self.workers.index(worker)] = fresh

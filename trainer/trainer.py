@@ -25,7 +25,7 @@ from offloop.trainer.grads import GradBuffer
 from offloop.trainer.readings import StepReadings
 from offloop.trainer.snapshot import Emitter
 from offloop.trainer.startup import RunSockets, check_keys, name_run, run_config
-from offloop.trainer.supervisor import CallbackWorkers, check_picklable
+from offloop.trainer.supervisor import CallbackWorkers
 
 __all__ = ["Trainer"]
 
@@ -102,9 +102,13 @@ class Trainer:
         self._checkpointer = checkpoint.Checkpointer(self._parts, self._agreement, self.save_folder,
                                                      rank=self.rank, seed=self.seed, run_name=self.run_name)
         self.checkpoints = self._checkpointer.written
-        check_picklable(callbacks or [])
-
         self.keys = Path(keys) if keys else None
+        # a worker that hears no heartbeat for 10 intervals (3 s at least) takes the trainer
+        # for dead; built (its callbacks serialized) before a socket or run.json exists
+        self.workers = CallbackWorkers(callbacks or [], str(self.run_dir),
+                                       keys=str(self.keys) if self.keys else None,
+                                       heartbeat_timeout=max(3.0, 10 * heartbeat_interval), nice=worker_nice)
+
         self._sockets = None
         if publish:
             self._sockets = RunSockets(self.run_id, check_keys(keys, host, insecure), rank=self.rank, host=host,
@@ -119,11 +123,6 @@ class Trainer:
         self._readings = StepReadings(self.device, self.optimizers, self.emitter.host,
                                       per_param_grad_norms=per_param_grad_norms, publish_samples=publish_samples,
                                       flops_fn=getattr(self._bare_model, "flops_per_batch", None))
-        # a worker that hears no heartbeat for 10 intervals (3 s at least) takes the
-        # trainer for dead: it closes its callbacks and exits
-        self.workers = CallbackWorkers(callbacks or [], str(self.run_dir),
-                                       keys=str(self.keys) if self.keys else None,
-                                       heartbeat_timeout=max(3.0, 10 * heartbeat_interval), nice=worker_nice)
         self.worker_shutdown_timeout = worker_shutdown_timeout
         try:
             self._start(load_path)
