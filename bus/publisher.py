@@ -534,9 +534,10 @@ class Publisher:
                 # The joiner trusts this state only once it has received the heartbeat sent
                 # just before it: it passed the publishing socket's filter, so the joiner's
                 # subscriptions had reached that socket (the proxy writes them to the
-                # watcher's pipe in the same call). Then the wanted set is refreshed, and the publishing socket gets
-                # time to apply them (libzmq applies subscriptions on a send at most once
-                # per ~1 ms), so nothing published after the state is filtered out.
+                # watcher's pipe in the same call). Then the wanted set is refreshed, and
+                # the publishing socket gets time to apply them (libzmq applies
+                # subscriptions on a send at most once per ~1 ms), so nothing published
+                # after the state is filtered out.
                 self._beat()
                 self._track_subscriptions(watcher)
                 time.sleep(_SUBSCRIPTION_SETTLE)

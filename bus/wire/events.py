@@ -33,7 +33,6 @@ import ormsgpack
 from offloop.bus.errors import WireError
 from offloop.bus.wire.bursts import BurstEncoding
 from offloop.bus.wire.values import (
-    _SCREEN_OPTIONS,
     BURST_PREFIX,
     BURST_TOPIC,
     DEFAULT_LIMITS,
@@ -43,12 +42,9 @@ from offloop.bus.wire.values import (
     Limits,
     Message,
     TensorFrame,
-    _check_values_slowly,
     _head_and_tensors,
     _is_tensor,
     _require,
-    _screen,
-    _screen_default,
     _shape,
     _tensor_bytes,
     _unpack,
@@ -196,11 +192,8 @@ def decode_event(frames, limits: Limits = DEFAULT_LIMITS) -> Message:
             and type(ts) is list and len(ts) == 5 and type(ts[0]) is int and type(ts[1]) is int
             and type(ts[2]) is int and type(ts[3]) is int and type(ts[4]) is int):
         _explain_event(body)
-    if d:  # str keys only, no msgpack timestamp: check_values, inlined (one call into Rust)
-        try:
-            _screen(d, default=_screen_default, option=_SCREEN_OPTIONS)
-        except Exception:
-            _check_values_slowly(d)
+    if d:  # str keys only, no msgpack timestamp
+        check_values(d)
     return Message(topic, k, run, pub, rank, seq, tseq, t, tuple(ts), d)
 
 
