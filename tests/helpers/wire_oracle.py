@@ -257,14 +257,19 @@ def message(frames, waive=(), impose=()) -> Verdict:
         return Verdict(False, exc.rule, exc.why)
 
 
-def _event(topic: str, body: bytes, tensors: _Tensors, ck: _Check) -> Verdict:
-    value = _walk(_parse(body, ck, "the event body"), ck, tensors)
+def _array_body(body: bytes, count: int, what: str, ck: _Check, tensors: _Tensors) -> list:
+    """A message body that must be an array of `count` fields (an event's or a burst's)."""
+    value = _walk(_parse(body, ck, f"the {what} body"), ck, tensors)
     _all_frames_used_once(tensors, ck)
-    if type(value) is not list or len(value) != 10:
+    if type(value) is not list or len(value) != count:
         if type(value) is list and value:
             _version(value[0], ck)
-        raise Malformed("event-shape", "the event body is not an array of 10 fields")
-    v, kind, run, pub, rank, seq, tseq, t, ts, d = value
+        raise Malformed(f"{what}-shape", f"the {what} body is not an array of {count} fields")
+    return value
+
+
+def _event(topic: str, body: bytes, tensors: _Tensors, ck: _Check) -> Verdict:
+    v, kind, run, pub, rank, seq, tseq, t, ts, d = _array_body(body, 10, "event", ck, tensors)
     _version(v, ck)
     ck.need(type(kind) is str, "event-shape", f"kind {kind!r} is not a str")
     ck.need(kind == "ev", "event-kind", f"kind {kind!r} is not 'ev'")
@@ -311,13 +316,7 @@ def _heartbeat(body: bytes, frames: list[bytes], ck: _Check) -> Verdict:
 
 
 def _burst(body: bytes, tensors: _Tensors, ck: _Check) -> Verdict:
-    value = _walk(_parse(body, ck, "the burst body"), ck, tensors)
-    _all_frames_used_once(tensors, ck)
-    if type(value) is not list or len(value) != 8:
-        if type(value) is list and value:
-            _version(value[0], ck)
-        raise Malformed("burst-shape", "the burst body is not an array of 8 fields")
-    v, kind, run, pub, rank, seq, tseq, events = value
+    v, kind, run, pub, rank, seq, tseq, events = _array_body(body, 8, "burst", ck, tensors)
     _version(v, ck)
     ck.need(kind == "bu", "burst-shape", f"kind {kind!r} is not 'bu'")
     for name, field, ok in (("run", run, type(run) is str), ("pub", pub, type(pub) is str),
