@@ -23,8 +23,10 @@ from offloop.bus.errors import (
     WireError,
 )
 from offloop.bus.events import (
+    AWAITS,
     CHECKPOINT_SAVED,
     CONTROL_REQUEST,
+    DECISION_EVENTS,
     EVENT_TOPICS,
     GRAD_NORMS,
     RUN_TOPICS,
@@ -37,6 +39,7 @@ from offloop.bus.timestamp import Timestamp
 from offloop.bus.wire import Limits, Message, TensorFrame
 
 __all__ = [
+    "AWAITS",
     "Ack",
     "BusError",
     "CHECKPOINT_SAVED",
@@ -45,6 +48,7 @@ __all__ = [
     "ControlRequest",
     "ControlServer",
     "ControlTimeout",
+    "DECISION_EVENTS",
     "DEFAULT_RETAINED",
     "DurationError",
     "EVENT_TOPICS",

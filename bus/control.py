@@ -112,6 +112,9 @@ class ControlServer:
         #: requests the server thread queued for the next poll(), oldest first (the trainer
         #: reads its truth value each batch instead of calling poll() for nothing)
         self.inbox: deque[ControlRequest] = deque()
+        #: called on the server thread after each request joins the inbox: a trainer
+        #: waiting at a boundary (not polling each batch) is woken by it
+        self.on_request: Callable[[], None] | None = None
         self._outbox: deque[tuple[ControlRequest, bytes]] = deque()
         self._pending: dict[tuple[str, int], bytes] = {}  # key -> latest routing identity
         self._acks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
@@ -261,6 +264,8 @@ class ControlServer:
             return
         self._pending[key] = identity
         self.inbox.append(request)
+        if self.on_request is not None:
+            self.on_request()
 
     def _refusal(self, request: ControlRequest) -> str | None:
         if request.op not in OPS:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from enum import Enum
 
 __all__ = ["Event", "Topic", "EVENT_TOPICS", "CHECKPOINT_SAVED", "CONTROL_REQUEST", "GRAD_NORMS",
-           "RUN_TOPICS"]
+           "RUN_TOPICS", "AWAITS", "DECISION_EVENTS"]
 
 
 class Event(str, Enum):
@@ -106,3 +106,20 @@ GRAD_NORMS = "grad_norms"
 #: Every topic a trainer publishes unasked; a subscription to "everything" means these.
 EVENT_TOPICS: tuple[str, ...] = tuple(e.value for e in Event)
 RUN_TOPICS: tuple[str, ...] = EVENT_TOPICS + (CHECKPOINT_SAVED, CONTROL_REQUEST)
+
+#: The data key of an event at which the trainer waits for some of its workers to decide
+#: (`Callback.decides_on`): {"id": n, "workers": [index, ...]}; each worker named answers
+#: n once it has handled the event, its requests answered.
+AWAITS = "awaits"
+
+#: The events a decision can be awaited at, and whether it needs an interval: an event of
+#: every batch is awaited only at the batches its interval names, never on every batch.
+DECISION_EVENTS: dict[str, bool] = {
+    Event.BATCH_CHECKPOINT.value: True,
+    Event.EPOCH_END.value: False,
+    Event.EPOCH_CHECKPOINT.value: False,
+    Event.ITERATION_END.value: False,
+    Event.ITERATION_CHECKPOINT.value: False,
+    Event.EVAL_END.value: False,
+    Event.EVAL_AFTER_ALL.value: False,
+}

@@ -21,7 +21,7 @@ PRECISIONS = ("fp32", "amp_fp16", "amp_bf16")
 
 
 def check_settings(*, precision: Any, grad_accum: Any, contiguous_grads: Any, publish_samples: Any,
-                   burst_interval: Any, worker_nice: Any) -> None:
+                   burst_interval: Any, worker_nice: Any, decision_timeout: Any) -> None:
     """The Trainer's plain settings, each against what it may be."""
     if precision not in PRECISIONS:
         raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -36,6 +36,9 @@ def check_settings(*, precision: Any, grad_accum: Any, contiguous_grads: Any, pu
         raise ConfigError(f"burst_interval must be seconds between 0 and 60, got {burst_interval!r}")
     if isinstance(worker_nice, bool) or not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
         raise ConfigError(f"worker_nice must be an int between 0 and 19, got {worker_nice!r}")
+    if isinstance(decision_timeout, bool) or not isinstance(decision_timeout, (int, float)) \
+            or not 0 < decision_timeout <= 3600:
+        raise ConfigError(f"decision_timeout must be seconds between 0 and 3600, got {decision_timeout!r}")
 
 
 def check_model(model: Any, loss_fn: Any, max_duration: Time | None, num_tokens_fn: Any) -> None:

@@ -54,10 +54,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def epoch_iterator(loader: Iterable, epoch_rng: dict | None, skip: int) -> tuple[Iterator, dict[str, Any]]:
-    """An iterator over this epoch of `loader`, and the RNG state its order was drawn from.
-    Resuming (`skip` batches of the epoch done), the order is drawn again from the saved
-    `epoch_rng` and the done batches are skipped; the other RNGs go on as they were."""
+def epoch_iterator(loader: Iterable, epoch_rng: dict | None, skip: int,
+                   epoch: int) -> tuple[Iterator, dict[str, Any]]:
+    """An iterator over epoch `epoch` of `loader`, and the RNG state its order was drawn
+    from (a DistributedSampler is told the epoch first). Resuming (`skip` batches of the
+    epoch done), the order is drawn again from the saved `epoch_rng` and the done batches
+    are skipped; the other RNGs go on as they were."""
+    sampler = getattr(loader, "sampler", None)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
     resume_rng = rng_state() if skip and epoch_rng is not None else None
     if resume_rng is not None:
         set_rng_state(epoch_rng)

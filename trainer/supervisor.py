@@ -26,16 +26,19 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import cloudpickle
 
+from offloop.trainer.decisions import decision_schedule
 from offloop.trainer.errors import ConfigError
 
 __all__ = ["CallbackWorkers", "WORKER_PROGRAM", "process_groups"]
 
 WORKER_PROGRAM = "offloop.workers.spawned"
+_SERVE_EVERY = 0.05  # seconds: a boundary wait also serves requests this often without a wake-up
 log = logging.getLogger("offloop.trainer")
 
 
@@ -95,6 +98,7 @@ class _Worker:
         self.error = ""  # what the worker said when it could not start
         self.error_of: str = self.name  # the callback it was about (or all of them)
         self.batch = 0  # the last batch it had handled, as it last reported (about once a second)
+        self.answered = 0  # the id of the last awaited event it has answered (AWAITS)
         self.pace: float | None = None  # batches a second between its last two reports
         self._reported_at: float | None = None
 
@@ -123,6 +127,8 @@ class CallbackWorkers:
         # sockets exist, and a restarted worker gets the callbacks as they were sent first
         self._groups = [(group, [_serialized(callback) for callback in group])
                         for group in process_groups(self.callbacks)]
+        #: where each worker's callbacks decide (Callback.decides_on), checked now
+        self.decision_schedule = decision_schedule([group for group, _ in self._groups])
         #: added to each worker's nice value: on a CPU it shares with the training loop, the
         #: loop comes first (a worker catches up in the gaps; its queue is bounded and counted)
         self.nice = nice
@@ -141,6 +147,7 @@ class CallbackWorkers:
         self.workers: list[_Worker] = []
         self.crashes: list[str] = []
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # an answer came, or wake() was called
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -149,8 +156,8 @@ class CallbackWorkers:
         the callback and the cause, if one cannot start: before `init`, not a run without it."""
         if not self.callbacks:
             return
-        for group, payloads in self._groups:
-            self.workers.append(self._spawn(group, payloads))
+        for index, (group, payloads) in enumerate(self._groups):
+            self.workers.append(self._spawn(group, payloads, index))
         deadline = time.monotonic() + self.ready_timeout
         while not all(w.ready or w.gone for w in self.workers):
             left = deadline - time.monotonic()
@@ -166,7 +173,7 @@ class CallbackWorkers:
                                         name="offloop-supervisor")
         self._thread.start()
 
-    def _spawn(self, callbacks: list, payloads: list[bytes]) -> _Worker:
+    def _spawn(self, callbacks: list, payloads: list[bytes], index: int) -> _Worker:
         ours, theirs = socket.socketpair()
         try:
             popen = subprocess.Popen([sys.executable, "-m", WORKER_PROGRAM, str(theirs.fileno())],
@@ -175,7 +182,8 @@ class CallbackWorkers:
             theirs.close()
         conn = Connection(ours.detach())
         settings = {"sys_path": list(sys.path), "run_dir": self.run_dir, "keys": self.keys,
-                    "heartbeat_timeout": self.heartbeat_timeout, "nice": self.nice, "count": len(payloads)}
+                    "heartbeat_timeout": self.heartbeat_timeout, "nice": self.nice, "count": len(payloads),
+                    "index": index}
         conn.send_bytes(pickle.dumps(settings))
         for payload in payloads:
             conn.send_bytes(payload)
@@ -185,7 +193,7 @@ class CallbackWorkers:
         """Start a fresh process for a worker that died; it carries on from the late-join state."""
         if self._stopping or worker.restarts >= self.max_restarts:
             return
-        fresh = self._spawn(worker.callbacks, worker.payloads)
+        fresh = self._spawn(worker.callbacks, worker.payloads, self.workers.index(worker))
         fresh.restarts = worker.restarts + 1
         with self._lock:
             self.workers[self.workers.index(worker)] = fresh
@@ -228,6 +236,9 @@ class CallbackWorkers:
             elif kind == "fit_end":
                 worker.fits_seen = max(worker.fits_seen, int(payload.get("fit") or 1))
                 worker.report = payload
+            elif kind == "answer":
+                worker.answered = max(worker.answered, int(payload))
+                self._changed.notify_all()
             elif kind == "progress":
                 worker.note_progress(int(payload.get("batch") or 0), time.monotonic())
             elif kind == "error":
@@ -251,6 +262,33 @@ class CallbackWorkers:
             if all(w.gone for w in self.workers):
                 return
             self._receive(timeout=0.5)
+
+    def wait_answers(self, indexes: list[int], ident: int, timeout: float,
+                     serve: Callable[[], None]) -> list[int]:
+        """Wait until each worker of `indexes` has answered the awaited event `ident` (or
+        is gone), calling `serve` first and after every wake-up (an answer, or `wake()`):
+        the trainer answers the workers' requests meanwhile. Returns the workers that had
+        not answered within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        serve()
+        with self._changed:
+            while True:
+                waiting = [i for i in indexes if i < len(self.workers) and self.workers[i].answered < ident
+                           and not self.workers[i].gone and self.workers[i].process.is_alive()]
+                left = deadline - time.monotonic()
+                if not waiting or left <= 0:
+                    return waiting
+                self._changed.wait(min(left, _SERVE_EVERY))
+                self._lock.release()  # serving publishes and may write a checkpoint: not under the lock
+                try:
+                    serve()
+                finally:
+                    self._lock.acquire()
+
+    def wake(self) -> None:
+        """Wake a wait_answers() now: a control request has arrived (any thread)."""
+        with self._changed:
+            self._changed.notify_all()
 
     def wait_for_fit_end(self, timeout: float, while_waiting=None, batch: int = 0) -> None:
         """Give every live worker until `timeout` to report it has handled the last

@@ -20,6 +20,7 @@ from torch import nn
 from offloop.bus import GRAD_NORMS, Publisher, Time, Timestamp, TimeUnit, Topic
 from offloop.trainer import arguments, batches, checkpoint, distributed
 from offloop.trainer.control import Control
+from offloop.trainer.decisions import Decisions
 from offloop.trainer.errors import CheckpointError, ConfigError, TrainerError
 from offloop.trainer.grads import GradBuffer
 from offloop.trainer.readings import StepReadings
@@ -75,11 +76,12 @@ class Trainer:
         checkpoint_on_sigterm: bool = True,
         worker_shutdown_timeout: float = 60.0,
         worker_nice: int = 10,
+        decision_timeout: float = 30.0,
     ) -> None:
         # what can be known now fails now, before a socket, a worker or run.json exists
         arguments.check_settings(precision=precision, grad_accum=grad_accum, contiguous_grads=contiguous_grads,
                                  publish_samples=publish_samples, burst_interval=burst_interval,
-                                 worker_nice=worker_nice)
+                                 worker_nice=worker_nice, decision_timeout=decision_timeout)
         self.max_duration = arguments.parse_duration("max_duration", max_duration) if max_duration else None
         arguments.check_model(model, loss_fn, self.max_duration, num_tokens_fn)
         arguments.check_run(callbacks, publish, load_path)
@@ -120,6 +122,8 @@ class Trainer:
         self.controller = Control(self.control, self._agreement, self.emitter.emit,
                                   checkpoint_on_sigterm=checkpoint_on_sigterm,
                                   saves_after_fit=self.rank == 0 and self.world_size == 1)
+        self._decisions = Decisions(self.workers.decision_schedule if self.world_size == 1 else {},
+                                    float(decision_timeout), self.emitter, self.workers, self.control, self._serve)
         self._readings = StepReadings(self.device, self.optimizers, self.emitter.host,
                                       per_param_grad_norms=per_param_grad_norms, publish_samples=publish_samples,
                                       flops_fn=getattr(self._bare_model, "flops_per_batch", None))
@@ -226,28 +230,21 @@ class Trainer:
                     break
             if not finished_early or self.timestamp.batch_in_epoch == batches.loader_len(self.train_dataloader):
                 self.timestamp = ts = self.timestamp.to_next_epoch()
-                self.emitter.emit(Topic.EPOCH_END, ts.as_tuple())
+                self._decisions.fire(Topic.EPOCH_END, ts)  # each fire() waits where a callback decides
                 self._run_evaluators(TimeUnit.EPOCH)
-                self.emitter.emit(Topic.EPOCH_CHECKPOINT, ts.as_tuple())
+                self._decisions.fire(Topic.EPOCH_CHECKPOINT, ts)
                 if self.iteration_length and ts.epoch_in_iteration == self.iteration_length:
                     self.timestamp = ts = ts.to_next_iteration()
-                    self.emitter.emit(Topic.ITERATION_END, ts.as_tuple())
-                    self.emitter.emit(Topic.ITERATION_CHECKPOINT, ts.as_tuple())
+                    self._decisions.fire(Topic.ITERATION_END, ts)
+                    self._decisions.fire(Topic.ITERATION_CHECKPOINT, ts)
 
     def _epoch_batches(self):
         """The epoch's batches; on resume, the batches already trained are skipped."""
-        sampler = getattr(self.train_dataloader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.timestamp.epoch)
         self.emitter.emit(Topic.BEFORE_DATALOADER, self.timestamp.as_tuple())
         iterator, self._epoch_rng = checkpoint.epoch_iterator(self.train_dataloader, self._epoch_rng,
-                                                              self._resume_batches)
+                                                              self._resume_batches, self.timestamp.epoch)
         self._resume_batches = 0
-        while True:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
+        for batch in iterator:
             self.emitter.emit(Topic.AFTER_DATALOADER, self.timestamp.as_tuple())
             yield batch
             self.emitter.emit(Topic.BEFORE_DATALOADER, self.timestamp.as_tuple())
@@ -319,12 +316,12 @@ class Trainer:
         now = ts.as_tuple()
         if wants(Topic.BATCH_END):
             snapshot(Topic.BATCH_END, now, self._readings.batch_end(loss_out, size, ts.batch, batch, micro, outputs))
-        checkpoints_due = self.controller.poll(ts)  # a halt applied here stops the loop after this batch
+        self.controller.poll(ts)  # a halt applied here stops the loop after this batch
         emitter.release_due()  # this batch's events, with the last ones if the interval has passed
         if self._eval_every_batch:
             self._run_evaluators(TimeUnit.BATCH)
-        emit(Topic.BATCH_CHECKPOINT, now)
-        if checkpoints_due:
+        self._decisions.fire(Topic.BATCH_CHECKPOINT, ts)
+        if self.controller.due:  # asked for since the last batch (a decision here is saved in fire())
             self._save_checkpoints("batch_checkpoint", self.controller.take_due())
         if emitter.cuda:
             emitter.poll()
@@ -357,6 +354,11 @@ class Trainer:
         self.controller.checkpoint_saved(requests, path, tag, where, self.timestamp)
         self.emitter.release()
 
+    def _serve(self, where: str) -> None:
+        """While the loop waits at a decision: a halt is applied, a checkpoint written now."""
+        if self.controller.poll(self.timestamp):
+            self._save_checkpoints(where, self.controller.take_due())
+
     def request_halt(self, reason: str = "") -> None:
         """In-process twin of a halt request: stop after the current batch."""
         self.controller.request_halt(reason)
@@ -375,10 +377,9 @@ class Trainer:
                if interval.unit is unit and count % interval.value == 0]
         if not due:
             return
-        ts = self.timestamp.as_tuple()
-        self.emitter.emit(Topic.EVAL_BEFORE_ALL, ts)
+        self.emitter.emit(Topic.EVAL_BEFORE_ALL, self.timestamp.as_tuple())
         results = {label: self._evaluate(label, self.eval_dataloaders[label]) for label in due}
-        self.emitter.emit_tensors(Topic.EVAL_AFTER_ALL, ts, {"metrics": results})
+        self._decisions.fire(Topic.EVAL_AFTER_ALL, self.timestamp, {"metrics": results})
         self.model.train()
 
     def _evaluate(self, label: str, loader: Iterable) -> dict[str, Any]:
@@ -414,7 +415,7 @@ class Trainer:
         metrics = {name: metric.compute() for name, metric in self.eval_metrics.items()}
         if loss_sum is not None:
             metrics["loss"] = loss_sum / max(count, 1)
-        self.emitter.emit_tensors(Topic.EVAL_END, ts, {"dataloader_label": label, "metrics": metrics})
+        self._decisions.fire(Topic.EVAL_END, self.timestamp, {"dataloader_label": label, "metrics": metrics})
         self.emitter.release()
         return metrics
 

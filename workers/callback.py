@@ -34,6 +34,16 @@ class Callback:
     #: of its own, shared with the callbacks given the same name. Set by in_own_process().
     process_group: str | None = None
 
+    def decides_on(self) -> dict[str, Any]:
+        """The events at which this callback's halt() and request_checkpoint() must take
+        effect exactly, as in Composer's loop: {event name: None (every one) or an interval
+        ('2ep', '100ba', a Time)}. At each such event the trainer waits for this callback's
+        worker to have handled it (bounded by the Trainer's `decision_timeout`), answering
+        its requests meanwhile; a request made anywhere else takes effect at the first batch
+        after it arrives. Empty by default: nothing waits for a callback that decides
+        nothing."""
+        return {}
+
     def in_own_process(self, name: str | None = None) -> Callback:
         """Run this callback in a worker process of its own (a slow or heavy one that should
         not hold up the others), or in the process named `name`, shared with every callback

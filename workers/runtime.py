@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from offloop.bus import (
+    AWAITS,
     ControlClient,
     Event,
     PublisherSilent,
@@ -72,6 +73,7 @@ class Worker:
         name: str | None = None,
         keys: str | None = None,
         key_name: str = "client",
+        index: int | None = None,
     ) -> None:
         self.info = run if isinstance(run, RunInfo) else find_run(
             run, runs_root, curve=endpoint_keys(run, keys, key_name))
@@ -86,6 +88,10 @@ class Worker:
         self.stats = WorkerStats()
         self.disabled: set[int] = set()
         self.exit_message = ""
+        #: this worker's number among its trainer's (None: a worker the trainer did not
+        #: start, which it never waits for): events awaiting it are answered to on_answer
+        self.index = index
+        self._on_answer: Callable[[int], None] | None = None
         self._control: ControlClient | None = None
         self._sub: Subscriber | None = None
         self._closed = False
@@ -104,7 +110,7 @@ class Worker:
             topics = _wanted(callback)
             if topics is None:
                 return None
-            wanted |= topics
+            wanted |= topics | _decision_topics(callback)
         return frozenset(wanted)
 
     def connect(self) -> None:
@@ -130,10 +136,14 @@ class Worker:
                 self.state._update(entry)
 
     def run(self, on_fit_end: Callable[[dict], None] | None = None,
-            on_progress: Callable[[dict], None] | None = None) -> int:
+            on_progress: Callable[[dict], None] | None = None,
+            on_answer: Callable[[int], None] | None = None) -> int:
         """Dispatch events until the run ends; returns 0, or 3 if the trainer fell silent.
         `on_progress` gets {"batch", "events"} about once a second: the trainer that started
-        this worker tells from it how far behind the worker is when the run ends."""
+        this worker tells from it how far behind the worker is when the run ends.
+        `on_answer` gets the id of each event the trainer awaits from this worker (AWAITS),
+        once its callbacks have handled it."""
+        self._on_answer = on_answer
         if self._sub is None:
             self.connect()
         code = 0
@@ -171,8 +181,10 @@ class Worker:
         return code
 
     def dispatch(self, msg) -> Event | str:
-        """Fold one message into the State and run every enabled callback on it, in order."""
+        """Fold one message into the State and run every enabled callback on it, in order;
+        then answer it, if the trainer awaits this worker's decisions on it."""
         state, topic = self.state, msg.topic
+        awaited = self._awaited(msg) if AWAITS in msg.data else None
         event = state._update(msg) or topic
         stats, sub = self.stats, self._sub
         stats.events += 1
@@ -198,7 +210,20 @@ class Worker:
                 self._failed(index, callback, topic)
             finally:
                 spent[topic] = spent.get(topic, 0.0) + clock() - start
+        if awaited is not None:
+            state._set(decision_awaited=False)
+            if self._on_answer is not None:
+                self._on_answer(awaited)
         return event
+
+    def _awaited(self, msg) -> int | None:
+        """The id the trainer awaits from this worker for `msg` (taken out of its data, so
+        callbacks see the event's own fields), or None."""
+        awaits = msg.data.pop(AWAITS)
+        if self.index is None or not isinstance(awaits, dict) or self.index not in awaits.get("workers", ()):
+            return None
+        self.state._set(decision_awaited=True)
+        return awaits.get("id")
 
     def _note_gaps(self) -> None:
         """Tell recorders where events were lost, topic by topic."""
@@ -272,18 +297,25 @@ def _timing_keys(callbacks: list) -> list[str]:
     return keys
 
 
+def _decision_topics(callback) -> frozenset[str]:
+    """The events the trainer may await this callback's decisions at: received even by a
+    callback that handles them in run_event() or not at all, so the answer always comes."""
+    decides_on = getattr(callback, "decides_on", None)
+    return frozenset(getattr(topic, "value", topic) for topic in decides_on()) if decides_on else frozenset()
+
+
 def _wanted(callback) -> frozenset[str] | None:
     wanted = getattr(type(callback), "wanted_topics", None)
     return wanted() if wanted is not None else Callback.wanted_topics.__func__(type(callback))
 
 
 def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: str | None = None,
-                            heartbeat_timeout: float = 10.0) -> None:
+                            heartbeat_timeout: float = 10.0, index: int | None = None) -> None:
     """Entry point of a worker process the Trainer started for some of its callbacks (they
     run in order, as in Composer's loop)."""
     try:
         worker = Worker(run_dir, callbacks, exit_on_fit_end=False, heartbeat_timeout=heartbeat_timeout,
-                        keys=keys, key_name="workers")
+                        keys=keys, key_name="workers", index=index)
         worker.connect()
     except Exception as exc:
         conn.send(("error", (None, f"could not join the run: {exc}")))
@@ -297,7 +329,8 @@ def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: str | Non
             pass
 
     code = worker.run(on_fit_end=lambda stats: tell("fit_end", stats),
-                      on_progress=lambda progress: tell("progress", progress))
+                      on_progress=lambda progress: tell("progress", progress),
+                      on_answer=lambda answer: tell("answer", answer))
     if worker.exit_message and code:
         print(f"offloop worker {worker.name}: {worker.exit_message}", file=sys.stderr, flush=True)
     conn.close()

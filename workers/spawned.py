@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(2) from None
     from offloop.workers.runtime import serve_trainer_callbacks
 
-    serve_trainer_callbacks(callbacks, settings["run_dir"], conn, settings["keys"], settings["heartbeat_timeout"])
+    serve_trainer_callbacks(callbacks, settings["run_dir"], conn, settings["keys"], settings["heartbeat_timeout"],
+                            settings.get("index"))
 
 
 class WholeLines(io.RawIOBase):

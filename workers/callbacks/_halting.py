@@ -57,6 +57,8 @@ class BackgroundHalt:
         self._sender = threading.Thread(target=self._send_halt, args=(reason,),
                                         name=f"offloop-{type(self).__name__}-halt", daemon=True)
         self._sender.start()
+        if state.decision_awaited:  # the trainer waits at this event: answered before it goes on
+            self._sender.join(self.control_timeout)
 
     def _send_halt(self, reason: str) -> None:
         try:

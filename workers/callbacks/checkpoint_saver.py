@@ -149,6 +149,16 @@ class CheckpointSaver(Callback):
         self.__dict__.update(state)
         self._lock, self._inbox, self._sender = threading.Lock(), queue.SimpleQueue(), None
 
+    def decides_on(self) -> dict[str, Any]:
+        """The schedule, declared to the trainer: it waits at each checkpoint event the
+        interval names, so every file holds the step Composer's saver would have saved. A
+        callable or a sample/token interval is judged here only: its saves are asked for
+        asynchronously and land at the batch after."""
+        every = self.save_interval
+        if isinstance(every, _Every) and every.interval.unit in (TimeUnit.EPOCH, TimeUnit.BATCH):
+            return {every.event.value: every.interval}
+        return {}
+
     # -------------------------------------------------------------- events
 
     def fit_start(self, state, logger) -> None:
@@ -195,7 +205,7 @@ class CheckpointSaver(Callback):
             return
         self.last_checkpoint_batch = state.timestamp.batch
         ts = state.timestamp
-        if state.max_duration is not None and state.max_duration.reached(ts):
+        if state.max_duration is not None and state.max_duration.reached(ts) and not state.decision_awaited:
             logger.log_text(f"CheckpointSaver: not asking for a checkpoint at epoch {ts.epoch}, batch "
                             f"{ts.batch}: the run ends here, before the trainer reads requests again")
             return
@@ -212,6 +222,8 @@ class CheckpointSaver(Callback):
                                             daemon=True)
             self._sender.start()
         self._inbox.put((save, args))
+        if state.decision_awaited:  # the trainer waits at this event: saved before it goes on
+            self.wait(self.control_timeout)
 
     # ------------------------------------------------- the sender thread
 

@@ -118,6 +118,12 @@ class _Stopper(BackgroundHalt, Callback):
         if self.dataloader_label == "train":
             self._remember_train_values(state)
 
+    def decides_on(self) -> dict[str, Any]:
+        """Where Composer's stopper decides: each epoch's end for 'train', each evaluation's
+        end otherwise; the trainer stops at exactly that step (a per-batch check stays
+        asynchronous: it takes effect at the batch after the one it judged)."""
+        return {"epoch_end": None} if self.dataloader_label == "train" else {"eval_end": None}
+
     def close(self, state, logger) -> None:
         self.wait(self.close_timeout)
         self._report(logger, final=True)

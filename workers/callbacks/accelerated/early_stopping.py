@@ -5,6 +5,8 @@ Promise: pytorch-accelerated's rule, decided once per epoch after its evaluation
 
 from __future__ import annotations
 
+from typing import Any
+
 from offloop.workers.callbacks.accelerated._watch import NewValues, better, check_watch
 from offloop.workers.callbacks.accelerated.adapter import TrainerCallback
 from offloop.workers.runtime import StopTrainingError
@@ -45,6 +47,10 @@ class EarlyStoppingCallback(TrainerCallback):
         self.stopped_epoch: int | None = None
         self.stopped_step: int | None = None
         self._new_values = NewValues(type(self).__name__)
+
+    def decides_on(self) -> dict[str, Any]:
+        """It decides at each epoch's end (on_training_run_epoch_end): the trainer stops there."""
+        return {"epoch_checkpoint": None}
 
     def on_training_run_start(self, trainer, **kwargs):
         self.stopped_epoch = self.stopped_step = None

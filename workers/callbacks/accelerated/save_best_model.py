@@ -53,6 +53,11 @@ class SaveBestModelCallback(TrainerCallback):
         self.saved_metric = None
         self._new_values = NewValues(type(self).__name__)
 
+    def decides_on(self) -> dict[str, Any]:
+        """It saves at each epoch's end (on_training_run_epoch_end): the checkpoint holds that
+        epoch's weights, the run's last one included."""
+        return {"epoch_checkpoint": None}
+
     def on_training_run_start(self, trainer, **kwargs):
         if self.reset_on_train:
             self.best_metric = self.best_metric_epoch = self.best_metric_step = None
@@ -69,8 +74,8 @@ class SaveBestModelCallback(TrainerCallback):
         self._save(trainer, current)
 
     def _save(self, trainer, metric: Any) -> None:
-        # the trainer takes a checkpoint at a batch boundary, as it applies a halt
-        if past_last_batch(trainer.state) is not None:
+        # awaited (the trainer waits at this epoch's end) it saves now, after the last batch too
+        if past_last_batch(trainer.state) is not None and not trainer.state.decision_awaited:
             trainer.print(f"SaveBestModelCallback: {self.watch_metric}={metric} improved at the run's "
                           "final evaluation, after the trainer's last batch: no checkpoint can be taken "
                           f"now; {self.save_path} keeps {self.watch_metric}={self.saved_metric}")
