@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 import uuid
@@ -292,7 +293,10 @@ class ControlServer:
 
 
 class ControlClient:
-    """Lazy Pirate: send, wait, and on silence reopen the socket and send again."""
+    """The Guide's Lazy Pirate: send, wait, and on silence reopen the socket and send again.
+    Between requests the socket stays connected, so a request on a live connection is one
+    send (no TCP and ZMTP handshake each time); `connect()` makes that connection ahead of
+    the first request. One request at a time per client (a lock orders callers)."""
 
     _ids = itertools.count(1)
 
@@ -306,6 +310,14 @@ class ControlClient:
         self._curve = curve  # bus.security.ClientKeys
         self._own_context = context is None
         self._ctx = context or zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._lock = threading.Lock()
+
+    def connect(self) -> ControlClient:
+        """Open the connection now, so the first request does not wait for it."""
+        with self._lock:
+            self._socket()
+        return self
 
     def request(self, op: str, args: dict[str, Any] | None = None, *, timeout: float = 30.0,
                 retry: float = 0.5, req: int | None = None) -> Ack:
@@ -318,19 +330,14 @@ class ControlClient:
         body = encode_request("ctl", client=self.client_id, req=req, op=op, args=args,
                               t=time.time())
         deadline = time.monotonic() + timeout
-        while True:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.linger = 0
-            sock.maxmsgsize = self.limits.max_body_bytes
-            if self._curve is not None:
-                self._curve.apply(sock)
-            try:
-                sock.connect(self.endpoint)
+        with self._lock:
+            while True:
+                sock = self._socket()
                 sock.send(body)
                 self.attempts += 1
                 until = min(deadline, time.monotonic() + retry)
                 while (left := until - time.monotonic()) > 0:
-                    if not sock.poll(left * 1000):
+                    if not sock.poll(math.ceil(left * 1000)):  # whole ms: poll(0.4) would not wait
                         break
                     reply = decode_reply(sock.recv(), self.limits)
                     if reply["k"] == "error":
@@ -338,13 +345,28 @@ class ControlClient:
                     if reply["k"] == "ack" and (reply["client"], reply["req"]) == (self.client_id, req):
                         return Ack(reply["client"], reply["req"], reply["op"], reply["ok"],
                                    reply["result"], reply.get("error"))
-            finally:
-                sock.close(linger=0)
-            if time.monotonic() >= deadline:
-                raise ControlTimeout(
-                    f"no acknowledgement for {op} from {self.endpoint} within {timeout:g}s "
-                    f"({self.attempts} attempts)"
-                )
+                self._drop()  # silence: the request may be stuck in this socket; a new one
+                if time.monotonic() >= deadline:
+                    raise ControlTimeout(
+                        f"no acknowledgement for {op} from {self.endpoint} within {timeout:g}s "
+                        f"({self.attempts} attempts)"
+                    )
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.maxmsgsize = self.limits.max_body_bytes
+            if self._curve is not None:
+                self._curve.apply(sock)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
 
     def named(self, client_id: str) -> ControlClient:
         """A client of the same endpoint, keys and context under another id: each callback
@@ -360,8 +382,12 @@ class ControlClient:
         return self.request("checkpoint", {"tag": tag}, **kw)
 
     def close(self) -> None:
+        """Close the connection; the client's own context (with every socket in it: those of
+        its named() clients too) ends here."""
+        with self._lock:
+            self._drop()
         if self._own_context:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)
 
     def __enter__(self) -> ControlClient:
         return self

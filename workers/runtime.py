@@ -121,7 +121,8 @@ class Worker:
             self._control = ControlClient(endpoints["control"],
                                           client_id=f"{self.name}-{os.getpid()}", curve=self.curve)
             for callback, key in zip(self.callbacks, _timing_keys(self.callbacks), strict=True):
-                callback._control = self._control.named(f"{key}-{os.getpid()}")
+                # connected now: a decision's request is then one send on a live connection
+                callback._control = self._control.named(f"{key}-{os.getpid()}").connect()
         else:
             for callback in self.callbacks:
                 callback._control = None
