@@ -52,10 +52,17 @@ class ControlRequest:
     args: dict[str, Any]
     received: float
     _server: ControlServer | None = field(default=None, repr=False)
+    #: how long the client said it waits for the answer (from its first attempt), or None
+    wait: float | None = None
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.client, self.req)
+
+    def given_up(self, now: float) -> bool:
+        """Whether the client has stopped waiting: `wait` seconds after this server first
+        received it (the client's clock is never compared with this one)."""
+        return self.wait is not None and now - self.received > self.wait
 
     def ack(self, **result: Any) -> None:
         self._server._answer(self, ok=True, result=result, error=None)
@@ -245,7 +252,7 @@ class ControlServer:
             return
         self.stats.received += 1
         request = ControlRequest(body["client"], body["req"], body["op"], body["args"],
-                                 time.time(), self)
+                                 time.time(), self, body.get("wait"))
         key = request.key
         if key in self._acks:
             self.stats.duplicates += 1
@@ -328,7 +335,7 @@ class ControlClient:
         args = {**{name: "" for name, (_, required) in CONTROL_ARGS.get(op, {}).items() if required},
                 **(args or {})}
         body = encode_request("ctl", client=self.client_id, req=req, op=op, args=args,
-                              t=time.time())
+                              t=time.time(), wait=float(timeout))
         deadline = time.monotonic() + timeout
         with self._lock:
             while True:

@@ -7,6 +7,7 @@ epoch's iterator was created from, and how many batches of the epoch are done).
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import tempfile
@@ -88,9 +89,11 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
             torch.save(payload, out)
             out.flush()
             os.fsync(out.fileno())
-        os.replace(tmp, path)
+        _publish(Path(tmp), path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, CheckpointError):  # the name is taken: said as it is
+            raise
         # torch.save reports a failed write (disk full: EFBIG, ENOSPC) as a RuntimeError
         # raised while handling the OSError; find the OSError to refuse cleanly.
         cause = _os_error(exc) if isinstance(exc, Exception) else None  # not KeyboardInterrupt
@@ -98,6 +101,22 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
             raise CheckpointError(f"cannot write checkpoint {path}: {cause.strerror or cause}") from None
         raise
     return path
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Give the written file its final name at once, never over an existing file: a hard
+    link fails where the name is taken (os.replace would overwrite); a file system without
+    hard links gets a check, then the rename."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise CheckpointError(f"checkpoint {path} exists: a checkpoint is never written over") from None
+    except OSError:  # no hard links here (EPERM, ENOTSUP, EXDEV ...)
+        if path.exists():
+            raise CheckpointError(f"checkpoint {path} exists: a checkpoint is never written over") from None
+        os.replace(tmp, path)
+        return
+    tmp.unlink()
 
 
 def _os_error(exc: BaseException | None) -> OSError | None:
@@ -142,11 +161,16 @@ class Checkpointer:
         """The file written and the tag rank 0 gave it (under torchrun the other ranks
         hold no request and learn the name and tag from rank 0)."""
         name = filename or f"ep{ts.epoch}-ba{ts.batch}" + (f"-{tag}" if tag else "") + ".pt"
+        taken = ""  # why rank 0 cannot use the name: a file of that name exists
+        if self.rank == 0:
+            name, taken = self._unused(name, explicit=filename is not None)
         # one collective on every rank (never inside `if rank == 0`); rank 0's name wins, and
         # every rank judges it after the gather, so all refuse a bad one alike
-        states = self.agreement.gather((name, tag, rng_state(), epoch_rng))
-        name, tag = states[0][0], states[0][1]
+        states = self.agreement.gather((name, tag, rng_state(), epoch_rng, taken))
+        name, tag, taken = states[0][0], states[0][1], states[0][4]
         check_filename(name)
+        if taken:
+            raise CheckpointError(taken)
         path = self.folder / name
         if self.rank == 0:
             parts = self.parts
@@ -157,13 +181,25 @@ class Checkpointer:
                 "schedulers": [s.state_dict() for s in parts.schedulers],
                 "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
                 "timestamp": ts.state_dict(),
-                "rng": [rng for _, _, rng, _ in states],  # every rank's, by rank
-                "epoch_rng": [epoch_rng for *_, epoch_rng in states],
+                "rng": [state[2] for state in states],  # every rank's, by rank
+                "epoch_rng": [state[3] for state in states],
                 "seed": self.seed,
                 "run_name": self.run_name,
             })
             self.written.append(str(path))
         return path, tag
+
+    def _unused(self, name: str, explicit: bool) -> tuple[str, str]:
+        """(the name to write, why it cannot be written or ""): a checkpoint is never written
+        over. A name the trainer made gets the first free `-2`, `-3`, … (two saves at one
+        step); a file name a client asked for that exists is refused."""
+        if not (self.folder / name).exists():
+            return name, ""
+        if explicit:
+            return name, (f"checkpoint {self.folder / name} exists: a checkpoint is never written over "
+                          "(ask for another filename)")
+        stem = name.removesuffix(".pt")
+        return next(f"{stem}-{n}.pt" for n in itertools.count(2) if not (self.folder / f"{stem}-{n}.pt").exists()), ""
 
     def restore(self, path: str | os.PathLike) -> tuple[Timestamp, dict | None]:
         """Load a checkpoint into the parts and this rank's RNGs; its Timestamp and the
@@ -187,9 +223,10 @@ class Checkpointer:
 
 
 def requested_name(requests: Sequence[ControlRequest]) -> tuple[str, str | None]:
-    """(tag, file name) for the checkpoint that answers `requests` together: their tags
-    joined, the first file name asked for. With no request (a SIGTERM asked, or under
-    torchrun rank 0 holds the requests) the tag is 'sigterm'; rank 0's name is used."""
+    """(tag, file name) for the checkpoint that answers `requests` (one request, as
+    Control.take_due groups them): its tag, and its file name if it asked for one. With no
+    request (a SIGTERM asked, or under torchrun rank 0 holds the requests) the tag is
+    'sigterm'; rank 0's name is used."""
     tags = [safe_name(str(r.args.get("tag", ""))) for r in requests] or ["sigterm"]
     filename = next((str(r.args["filename"]) for r in requests if r.args.get("filename")), None)
     return "-".join(t for t in tags if t), filename

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ class Control:
         # totals carried by checkpoint_saved and control_request, so a late joiner, which
         # gets only the latest of each, still knows how many there were
         self.requests_seen = self.saves = 0
+        self.given_up = 0  # requests dropped unapplied: their clients had stopped waiting
 
     # ------------------------------------------------------------ per batch
 
@@ -58,7 +60,15 @@ class Control:
         return self.due
 
     def _apply(self, server: ControlServer | None, ts: Timestamp) -> int:
+        now = time.time()
         for request in server.poll() if server is not None else ():
+            if request.given_up(now):  # its client stopped waiting (between two fits, say): not applied
+                self.given_up += 1
+                request.refuse(f"{request.op} from {request.client} not applied: its client stopped "
+                               f"waiting {request.wait:g}s after sending it", step=ts.batch)
+                log.warning("offloop: %s from %s dropped: its client stopped waiting before the trainer "
+                            "read it", request.op, request.client)
+                continue
             self.requests_seen += 1
             self._emit(CONTROL_REQUEST, ts.as_tuple(), {"op": request.op, "client": request.client,
                                                         "args": request.args, "count": self.requests_seen})
@@ -84,12 +94,25 @@ class Control:
             self._stopped_by_sigterm(ts)
         return due
 
-    def take_due(self) -> list[ControlRequest]:
-        """The requests behind the checkpoints due now (none where a SIGTERM asked, or,
-        under torchrun, rank 0 holds them)."""
-        self.due = 0
-        requests, self.checkpoints = self.checkpoints, []
-        return requests
+    def take_due(self) -> list[list[ControlRequest]]:
+        """The checkpoints due now, each as the requests it answers: one request each, so no
+        client is answered with a file another asked for, and no empty group but a SIGTERM's
+        (or, under torchrun, one of rank 0's on the other ranks): every rank writes as many."""
+        due, requests = self.due, self.checkpoints
+        self.due, self.checkpoints = 0, []
+        return [[request] for request in requests] + [[] for _ in range(due - len(requests))]
+
+    def save(self, due: list[list[ControlRequest]], write: Callable[[list[ControlRequest]], tuple[Path, str]],
+             where: str, ts: Timestamp) -> None:
+        """Write one checkpoint per group of `due` with `write(requests) -> (path, tag)` and
+        answer its requests: acked with the file, or refused with why it could not be."""
+        for requests in due:
+            try:
+                path, tag = write(requests)
+            except CheckpointError as exc:
+                self.checkpoint_refused(requests, exc, ts)
+            else:
+                self.checkpoint_saved(requests, path, tag, where, ts)
 
     def checkpoint_saved(self, requests: list[ControlRequest], path: Path, tag: str, where: str,
                          ts: Timestamp) -> None:

@@ -21,7 +21,7 @@ from offloop.bus import GRAD_NORMS, Publisher, Time, Timestamp, TimeUnit, Topic
 from offloop.trainer import arguments, batches, checkpoint, distributed
 from offloop.trainer.control import Control
 from offloop.trainer.decisions import Decisions
-from offloop.trainer.errors import CheckpointError, ConfigError, TrainerError
+from offloop.trainer.errors import ConfigError, TrainerError
 from offloop.trainer.grads import GradBuffer
 from offloop.trainer.readings import StepReadings
 from offloop.trainer.snapshot import Emitter
@@ -200,7 +200,7 @@ class Trainer:
         try:
             self._fit_loop()
             if control.end_loop(self.timestamp):  # a SIGTERM no batch boundary has saved yet
-                self._save_checkpoints("fit_end", [])
+                self._save_checkpoints("fit_end", [[]])
         finally:
             control.in_fit = False
             self._finish_fit()
@@ -344,14 +344,11 @@ class Trainer:
 
     # -------------------------------------------------------------- checkpoints
 
-    def _save_checkpoints(self, where: str, requests: list) -> None:
-        """Write the checkpoint that answers `requests` (none: a SIGTERM's, or under
-        torchrun one rank 0 holds the requests for), ack them, publish checkpoint_saved."""
-        try:
-            path, tag = self._checkpointer.write(self.timestamp, self._epoch_rng, *checkpoint.requested_name(requests))
-        except CheckpointError as exc:
-            return self.controller.checkpoint_refused(requests, exc, self.timestamp)
-        self.controller.checkpoint_saved(requests, path, tag, where, self.timestamp)
+    def _save_checkpoints(self, where: str, due: list[list]) -> None:
+        """A checkpoint for each group of requests in `due` (Control.take_due; an empty one: a
+        SIGTERM's, or another rank's share of rank 0's), acked, checkpoint_saved published."""
+        self.controller.save(due, lambda requests: self._checkpointer.write(
+            self.timestamp, self._epoch_rng, *checkpoint.requested_name(requests)), where, self.timestamp)
         self.emitter.release()
 
     def _serve(self, where: str) -> None:
@@ -485,7 +482,7 @@ class Trainer:
                             progress={"epoch": ts.epoch, "batch": ts.batch, "sample": ts.sample, "token": ts.token})
 
     def _answer_late(self) -> None:
-        self.controller.answer_late(self.timestamp, lambda requests: self._save_checkpoints("after_fit", requests))
+        self.controller.answer_late(self.timestamp, lambda requests: self._save_checkpoints("after_fit", [requests]))
 
     def _check_open(self, what: str) -> None:
         """After close() a fit, eval or predict would run unseen by every callback: refused."""

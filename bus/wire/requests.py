@@ -49,7 +49,8 @@ def encode_request(kind: str, **fields: Any) -> bytes:
 
     - ``state_req {topics: [str] | nil}`` asks for the late-join state;
     - ``info_req {}`` asks for the run's run.json content;
-    - ``ctl {client, req, op: "halt"|"checkpoint", args, t: float}`` is a control request:
+    - ``ctl {client, req, op: "halt"|"checkpoint", args, t: float, wait: float (optional)}``
+      is a control request (`wait`: how long its client waits for the answer):
       halt args ``{reason: str}``, checkpoint args ``{tag: str, filename: str (optional)}``.
     """
     if kind not in REQUEST_SCHEMAS:
@@ -103,6 +104,9 @@ def check_request(body: dict) -> dict:
         if topics is not None and not (type(topics) is list and all(type(t) is str for t in topics)):
             raise WireError(f"state_req field 'topics' is {topics!r}, expected a list of str or nil")
     elif kind == "ctl":
+        wait = body.get("wait")
+        if wait is not None and not (type(wait) is float and wait > 0):
+            raise WireError(f"ctl field 'wait' is {wait!r}, expected a float > 0 or nil (or no field)")
         fields = CONTROL_ARGS.get(body["op"], {})
         args = body["args"]
         for name, (expected, required) in fields.items():

@@ -81,7 +81,7 @@ def body_of(size: int, client: str = "c", req: int = 1) -> dict:
     """Halt args whose control request encodes to exactly `size` bytes."""
     def encoded(n):
         return len(encode_request("ctl", client=client, req=req, op="halt",
-                                  args={"reason": "x" * n}, t=0.0))
+                                  args={"reason": "x" * n}, t=0.0, wait=10.0))  # as request(timeout=10) sends
     n = 300 + size - encoded(300)  # a str8/str16 header is the same length all the way
     assert encoded(n) == size
     return {"reason": "x" * n}
@@ -230,3 +230,14 @@ def test_the_client_takes_only_the_ack_of_its_own_request(free_port):
         thread.join(15)
         router.close()
         ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("wait", [0.0, -1.0, True, 3, "1"])
+def test_a_wait_that_is_not_a_positive_float_is_malformed(wait):
+    from offloop.bus.wire import decode_request
+
+    body = encode_request("ctl", client="c", req=1, op="halt", args={"reason": ""}, t=1.0, wait=wait)
+    with pytest.raises(WireError, match=r"ctl field 'wait' is .*, expected a float > 0 or nil"):
+        decode_request(body)
+    assert decode_request(encode_request("ctl", client="c", req=1, op="halt", args={"reason": ""},
+                                         t=1.0, wait=1.5))["wait"] == 1.5

@@ -179,3 +179,26 @@ def test_replay_exits_non_zero_when_a_callback_raised(tmp_path):
     assert "3 events replayed" in broken.stderr and "1 callback errors" in broken.stderr
     assert broken.stderr.strip().splitlines()[-1] == (
         "offloop: error: 1 callback error during the replay (each traceback is above)")
+
+
+def test_concurrent_checkpoint_commands_each_get_their_own_file(spawn, tmp_path):
+    # batches of 1.5 s: the two commands, started together, are read at the same batch
+    run_dir = tmp_path / "runs" / "job"
+    trainer = spawn("slow_trainer", run_dir, 40, 1.5)
+    trainer.line()
+    wait_for(run_dir / "run.json")
+    env = {k: v for k, v in os.environ.items() if k != "OFFLOOP_RUNS"}
+    env["PYTHONPATH"] = os.pathsep.join((str(ROOT), str(TESTS)))
+    commands = [subprocess.Popen([sys.executable, "-m", "offloop.cli", "checkpoint", str(run_dir), "--tag", tag],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 stdin=subprocess.DEVNULL) for tag in ("a", "b")]
+    outs = [command.communicate(timeout=60) for command in commands]
+    assert all(command.returncode == 0 for command in commands), outs
+    paths = [Path(out.strip().rsplit(": ", 1)[1]) for out, _ in outs]
+    steps = [int(out.split("at batch ")[1].split()[0].rstrip(":")) for out, _ in outs]
+    assert paths[0] != paths[1] and all(path.is_file() for path in paths)
+    assert paths[0].name.endswith("-a.pt") and paths[1].name.endswith("-b.pt")  # each its own tag only
+    assert steps[0] == steps[1], f"read at batches {steps}: not one batch"
+    halt = offloop("halt", str(run_dir))
+    assert halt.returncode == 0, halt.stderr
+    trainer.wait(timeout=30)

@@ -367,12 +367,14 @@ def _request(frames, ck: _Check) -> dict:
         topics = body.get("topics")
         ck.need(topics is None or type(topics) is list and all(type(t) is str for t in topics),
                 "info-topics", f"(imposed) topics {topics!r} is not [str] or nil")
-    elif k == "ctl":  # {v, k, client: str, req: int, op, args: map, t: float}
+    elif k == "ctl":  # {v, k, client: str, req: int, op, args: map, t: float, wait: float > 0 (optional)}
         for name, ok in (("client", type(body.get("client")) is str),
                          ("req", is_int(body.get("req"))), ("op", type(body.get("op")) is str),
                          ("args", type(body.get("args")) is dict)):
             ck.need(ok, "ctl-shape", f"field {name} is {body.get(name, 'missing')!r}")
         ck.need(type(body.get("t")) is float, "ctl-t", f"t is {body.get('t', 'missing')!r}")
+        wait = body.get("wait")  # optional: seconds the client waits for its answer
+        ck.need(wait is None or type(wait) is float and wait > 0, "ctl-wait", f"wait is {wait!r}")
         args = body["args"]
         if body["op"] == "halt":  # {reason: str}
             ck.need(type(args.get("reason")) is str, "ctl-args", f"halt args {args!r}")

@@ -82,8 +82,9 @@ class CheckpointSaver(Callback):
         filename: None: the trainer names each file after the step it saved
             (`ep{epoch}-ba{batch}.pt`). A format string ('ep{epoch}-ba{batch}.pt',
             fields run_name, rank, epoch, batch, sample, token) is filled in with the
-            timestamp at which the save was *decided*; the file holds the state of the
-            step the ack reports, one batch or more later.
+            timestamp at which the save was *decided*: with a batch or epoch interval
+            the step the file holds (the trainer waits for the decision); otherwise the
+            file holds the step the ack reports, one batch or more later.
         latest_filename: the symlink to the newest checkpoint, beside it (`{run_name}`,
             `{rank}` are filled in); None for no symlink.
         save_interval: '1ep', '500ba', '10000sp', '1000tok', an int (epochs) or a

@@ -1,0 +1,88 @@
+"""One answer per request: two requests read at one batch never share a file or an ack,
+a checkpoint is never written over, a saver's rotation leaves other clients' files alone,
+and a request whose client has given up is dropped, not applied in a later fit."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from common import loader, mlp
+from helpers.waiting import wait_until
+from test_trainer_control import gated_run
+
+from offloop.bus import ControlClient, ControlTimeout
+from offloop.trainer import CheckpointError, Trainer
+from offloop.workers import Callback
+from offloop.workers.callbacks import CheckpointSaver
+
+F = torch.nn.functional
+
+
+def test_two_requests_with_the_same_tag_at_one_batch_get_two_files(tmp_path):
+    trainer, acks, _ = gated_run(tmp_path, 20, [("checkpoint", {"tag": "x"}, "first"),
+                                                ("checkpoint", {"tag": "x"}, "second")])
+    names = sorted(Path(acks[k].result["path"]).name for k in ("first", "second"))
+    assert names == ["ep0-ba3-x-2.pt", "ep0-ba3-x.pt"]
+    assert all(Path(acks[k].result["path"]).is_file() for k in ("first", "second"))
+
+
+def test_a_file_name_asked_twice_is_written_once_and_the_second_request_refused(tmp_path):
+    trainer, acks, _ = gated_run(tmp_path, 20, [("checkpoint", {"filename": "mine.pt"}, "first"),
+                                                ("checkpoint", {"filename": "mine.pt"}, "second"),
+                                                ("checkpoint", {"tag": "other"}, "other")])
+    first, second, other = acks["first"], acks["second"], acks["other"]
+    assert first.ok and Path(first.result["path"]).name == "mine.pt"
+    assert not second.ok and "exists: a checkpoint is never written over" in second.error
+    assert other.ok and Path(other.result["path"]).name == "ep0-ba3-other.pt"  # not refused with it
+    assert torch.load(first.result["path"], weights_only=True)["timestamp"]["batch"] == 3
+
+
+def test_save_checkpoint_never_writes_over_a_file(tmp_path):
+    with Trainer(mlp(), loader(16, 8), "1ep", loss_fn=F.cross_entropy, run_dir=tmp_path / "run") as trainer:
+        trainer.fit()
+        path = trainer.save_checkpoint(filename="final.pt")
+        before = path.read_bytes()
+        with pytest.raises(CheckpointError, match="final.pt exists: a checkpoint is never written over"):
+            trainer.save_checkpoint(filename="final.pt")
+        assert path.read_bytes() == before
+        assert trainer.save_checkpoint().name == "ep1-ba2.pt"
+        assert trainer.save_checkpoint().name == "ep1-ba2-2.pt"  # a name the trainer makes: the next free one
+
+
+class AsksAtEpochOne(Callback):
+    """Another client asking for a checkpoint at the very step the saver saves."""
+
+    def decides_on(self):
+        return {"epoch_checkpoint": None}
+
+    def epoch_checkpoint(self, state, logger) -> None:
+        if state.timestamp.epoch == 1:
+            self.request_checkpoint()
+
+
+def test_a_savers_rotation_never_deletes_a_file_another_client_was_given(tmp_path):
+    saver = CheckpointSaver(save_interval="1ep", num_checkpoints_to_keep=1, latest_filename=None)
+    with Trainer(mlp(), loader(32, 8, shuffle=False), "3ep", loss_fn=F.cross_entropy, seed=3,
+                 callbacks=[saver, AsksAtEpochOne().in_own_process()], run_dir=tmp_path / "run") as trainer:
+        trainer.fit()
+        folder = Path(trainer.checkpoints[0]).parent
+    left = sorted(p.name for p in folder.iterdir())
+    # the saver kept its newest; the other client's file at batch 4 (the saver's was rotated away)
+    assert len(left) == 2 and "ep3-ba12.pt" in left
+    assert any(name.startswith("ep1-ba4") for name in left)
+
+
+def test_a_request_whose_client_gave_up_between_fits_is_dropped_not_applied(tmp_path):
+    with Trainer(mlp(), loader(32, 8), "1ep", loss_fn=F.cross_entropy, run_dir=tmp_path / "run") as trainer:
+        trainer.fit()  # between fits nothing reads requests: this one waits in the inbox
+        with ControlClient(trainer.control.endpoint, client_id="impatient") as client, \
+                pytest.raises(ControlTimeout):
+            client.halt("too late", timeout=0.3, retry=10)
+        wait_until(lambda: trainer.control.inbox and trainer.control.inbox[0].given_up(time.time()), 10,
+                   "the halt to be in the inbox, its client's 0.3 s over")
+        trainer.fit(duration="3ep")
+        assert trainer.timestamp.epoch == 3 and trainer.stopped_by is None
+        assert trainer.controller.given_up == 1
