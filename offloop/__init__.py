@@ -1,7 +1,7 @@
 """offloop: training-loop callbacks that run off the loop.
 
 The one import line a user writes: `from offloop import Trainer, Callback, Event, State,
-Logger, Time, Timestamp`. Built-in callbacks are in `offloop.callbacks`, log destinations
+Logger, Time, Timestamp` (and `log_metrics`, for training code that logs scalars). Built-in callbacks are in `offloop.callbacks`, log destinations
 in `offloop.loggers`, the bus itself in `offloop.bus`. Names resolve lazily (PEP 562), so
 a read-only command (`offloop ls`, `attach`, `halt`) never imports torch.
 
@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "Time": "offloop.bus",
     "TimeUnit": "offloop.bus",
     "Timestamp": "offloop.bus",
+    "log_metrics": "offloop.trainer",
 }
 
 __all__ = sorted(_EXPORTS)

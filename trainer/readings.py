@@ -15,6 +15,7 @@ import torch
 
 from offloop.trainer.batches import pair
 from offloop.trainer.grads import GradBuffer
+from offloop.trainer.user_metrics import UserMetrics
 
 __all__ = ["StepReadings", "describe_optimizer"]
 
@@ -33,6 +34,8 @@ class StepReadings:
         self._names: list[str] = []
         self.params: list[torch.nn.Parameter] = []  # the model's, in named_parameters() order
         self._rss: dict[str, int] | None = None  # peak resident memory, as last read (published as is)
+        #: what training code logs with log_metrics(): taken by the next batch_end (or eval_end)
+        self.user_metrics = UserMetrics(host)
 
     def track(self, named_parameters: list[tuple[str, torch.nn.Parameter]]) -> None:
         """The parameters whose gradients grads() reads (set at each fit's start)."""
@@ -79,6 +82,8 @@ class StepReadings:
             if self._rss is None or not step % 16:  # a peak: read every 16 steps
                 self._rss = {"max_rss_bytes": _max_rss()}  # a new dict: held events keep theirs
             snapshot["memory"] = self._rss
+        if self.user_metrics.values:
+            snapshot["metrics"] = self.user_metrics.take()
         if self.flops_fn is not None:
             flops = self.flops_fn(batch)
             snapshot["flops"] = self.host(flops) if isinstance(flops, torch.Tensor) else flops

@@ -410,6 +410,7 @@ class Trainer:
                 self.emitter.emit_tensors(Topic.EVAL_BATCH_END, ts, data)
                 self.emitter.release_due()
         metrics = {name: metric.compute() for name, metric in self.eval_metrics.items()}
+        metrics |= self._readings.user_metrics.take()  # what the model logged while evaluating
         if loss_sum is not None:
             metrics["loss"] = loss_sum / max(count, 1)
         self._decisions.fire(Topic.EVAL_END, self.timestamp, {"dataloader_label": label, "metrics": metrics})
@@ -448,7 +449,7 @@ class Trainer:
                 self.emitter.release_due()
                 if return_outputs:
                     outputs_all.append(outputs.detach().cpu() if isinstance(outputs, torch.Tensor) else outputs)
-        emit(Topic.PREDICT_END, ts)
+        self.emitter.emit_tensors(Topic.PREDICT_END, ts, {"metrics": self._readings.user_metrics.take()})
         self.emitter.flush()
         return outputs_all
 
@@ -469,6 +470,7 @@ class Trainer:
         if control.closed:
             return
         control.closed = True
+        self._readings.user_metrics.close()  # log_metrics() goes to an open Trainer only
         self.workers.closing = True  # from here a worker that has seen every fit_end may exit
         # with no fit (only eval() or predict()) there is no fit_end to wait for: the
         # workers take the stream's final heartbeats as the end, after every event before them

@@ -70,7 +70,7 @@ class State:
             "event": None, "timestamp": Timestamp(), "run_name": "", "run_id": "",
             "max_duration": None, "config": FrozenDict({}), "loss": None, "lr": (),
             "batch_size": None, "grad_norm": None, "param_grad_norms": FrozenDict({}),
-            "memory": FrozenDict({}), "eval_metrics": FrozenDict({}),
+            "memory": FrozenDict({}), "eval_metrics": FrozenDict({}), "train_metrics": FrozenDict({}),
             "dataloader_label": None, "outputs": None, "targets": None, "data": FrozenDict({}),
             "rank": 0, "wall_time": 0.0, "dataloader_len": None, "world_size": 1,
             "last_checkpoint": None, "stopped_by": None, "samples": None, "flops": None,
@@ -124,6 +124,9 @@ class State:
         return event
 
     def _batch_end(self, data: dict) -> None:
+        logged = data.get("metrics")
+        if logged:  # log_metrics() in the training code: the latest value of each name
+            self._set(train_metrics=FrozenDict({**self.train_metrics, **logged}))
         self._set(loss=data.get("loss"), lr=tuple(data.get("lr") or ()),
                   batch_size=data.get("batch_size"),
                   memory=FrozenDict(data.get("memory") or {}),

@@ -55,7 +55,7 @@ def test_metrics_follow_prometheus_conventions_and_render_the_latest_snapshot(fr
     feed.event("eval_end", t + 4.5, (0, 2, 2, 64, 8192), dataloader_label="eval",
                metrics={"MulticlassAccuracy": 0.875, "loss": 0.5})
     feed.event("batch_end", t + 5, (0, 3, 3, 96, 12288), loss=2.0, lr=[0.05, 0.005], memory=memory,
-               flops=1e12)
+               flops=1e12, metrics={"aux/penalty": 0.25, "aux/gate": 3})
     feed.event("control_request", t + 5, (0, 3, 3, 96, 12288), op="checkpoint", client="c", args={})
     feed.event("checkpoint_saved", t + 6, (0, 3, 3, 96, 12288), path="/x.pt", step=3, tag="",
                event="batch_checkpoint", requested_by="c")
@@ -73,6 +73,9 @@ def test_metrics_follow_prometheus_conventions_and_render_the_latest_snapshot(fr
     assert _value(families, "offloop_learning_rate", group="0") == 0.05
     assert _value(families, "offloop_learning_rate", group="1") == 0.005
     assert _value(families, "offloop_step") == 3 and _value(families, "offloop_epoch") == 1
+    # what the training code logged with log_metrics(), by name
+    assert _value(families, "offloop_train_metric", metric="aux/penalty") == 0.25
+    assert _value(families, "offloop_train_metric", metric="aux/gate") == 3
     assert families["offloop_samples"].type == "counter"  # served as offloop_samples_total
     assert _value(families, "offloop_samples") == 96 and _value(families, "offloop_tokens") == 12288
     # the window's first batch ended at t+1, its last at t+5, with 2 s of evaluation between

@@ -42,3 +42,41 @@ def test_training_with_every_event_published_never_syncs(tmp_path):
     assert len(losses) == 20 and all(isinstance(v, float) for v in losses)
     assert len(norms) == 20 and all(v > 0 for v in norms)
     assert sub.stats.gaps == 0
+
+
+class LogsOnDevice(torch.nn.Module):
+    """A model whose forward logs a CUDA 0-d tensor with log_metrics()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = mlp()
+
+    def forward(self, x):
+        from offloop import log_metrics
+
+        out = self.inner(x)
+        log_metrics({"aux/mean": out.mean()})
+        return out
+
+
+def test_log_metrics_of_a_cuda_tensor_never_syncs(tmp_path):
+    device = torch.device("cuda")
+    batches = [(torch.randn(32, 8, device=device), torch.randint(0, 3, (32,), device=device)) for _ in range(10)]
+    trainer = Trainer(LogsOnDevice().to(device), batches, "10ba", loss_fn=torch.nn.functional.cross_entropy,
+                      device="cuda", run_dir=tmp_path / "run")
+    endpoints = trainer.publisher.endpoints
+    sub = Subscriber(endpoints["events"], endpoints["state"], topics=["batch_end"])
+    sub.connect()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        trainer.fit()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    logged = []
+    while (msg := sub.recv(timeout=1)) is not None:
+        if msg.topic == "batch_end" and not msg.from_state:
+            logged.append(msg.data["metrics"]["aux/mean"])
+    sub.close()
+    trainer.close()
+    assert len(logged) == 10 and all(isinstance(v, float) for v in logged)

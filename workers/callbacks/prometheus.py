@@ -37,6 +37,8 @@ METRICS: dict[str, tuple[str, str]] = {
                                    "second over the device's peak (when both are known)."),
     "offloop_eval_metric": ("gauge", "Latest value of each evaluation metric, by dataloader "
                                      "label and metric name (the eval loss is metric=\"loss\")."),
+    "offloop_train_metric": ("gauge", "Latest value of each scalar the training code logged with "
+                                      "offloop.log_metrics(), by name."),
     "offloop_grad_norm": ("gauge", "Global L2 norm of the gradients of the latest batch."),
     "offloop_gpu_memory_allocated_bytes": ("gauge", "CUDA memory held by tensors "
                                                     "(torch.cuda.memory_allocated)."),
@@ -84,6 +86,7 @@ class _View:
         self.lr: tuple[float, ...] = ()
         self.memory: dict[str, float] = {}
         self.eval: dict[str, dict[str, float]] = {}
+        self.train: dict[str, float] = {}  # log_metrics()'s
         self.samples_per_second: float | None = None
         self.tokens_per_second: float | None = None
         self.flops_per_second: float | None = None
@@ -211,6 +214,7 @@ class PrometheusExporter(Callback):
         self._peak_flops = self._device_peak(state)  # a late joiner has the config, not fit_start
         self._eval_seconds, self._eval_started = 0.0, None
         self._eval_source = None
+        self._train_source = None
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(self))
         self._app = self._wsgi_app(registry)
@@ -258,6 +262,10 @@ class PrometheusExporter(Callback):
             view.epoch, view.step, view.samples, view.tokens = ts.epoch, ts.batch, ts.sample, ts.token
             view.loss, view.grad_norm = _number(state.loss), _number(state.grad_norm)
             view.lr, view.memory = lr, memory
+            if state.train_metrics is not self._train_source:  # replaced when a batch_end brings some
+                self._train_source = state.train_metrics
+                view.train = {n: v for n, v in ((n, _number(x)) for n, x in state.train_metrics.items())
+                              if v is not None}
             if state.eval_metrics is not self._eval_source:  # the State replaces it at eval_end
                 self._eval_source = state.eval_metrics
                 view.eval = {label: {n: v for n, v in ((n, _number(x)) for n, x in metrics.items())
@@ -353,6 +361,7 @@ def _families(view: _View, now: float) -> list:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     extra_labels = {"offloop_learning_rate": ["group"], "offloop_eval_metric": ["dataloader", "metric"],
+                    "offloop_train_metric": ["metric"],
                     "offloop_control_requests": ["op"]}
     families = {}
     for name, (kind, help_text) in METRICS.items():
@@ -380,6 +389,8 @@ def _families(view: _View, now: float) -> list:
     for label, metrics in sorted(view.eval.items()):
         for metric, value in sorted(metrics.items()):
             put("offloop_eval_metric", value, label, metric)
+    for metric, value in sorted(view.train.items()):
+        put("offloop_train_metric", value, metric)
     put("offloop_grad_norm", view.grad_norm)
     for key, value in view.memory.items():
         if key in _MEMORY:

@@ -100,9 +100,10 @@ class _Stopper(BackgroundHalt, Callback):
         return _scalar(type(self).__name__, name, label, value)
 
     def _remember_train_values(self, state) -> None:
-        for key, value in state.data.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._train_values[key] = value
+        for values in (state.data, state.train_metrics):  # batch_end's fields, log_metrics()'s
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._train_values[key] = value
 
     # ------------------------------------------------------------- halting
 
