@@ -69,10 +69,16 @@ def autocast(precision: str, device_type: str):
     return torch.autocast(device_type, dtype=dtype)
 
 
-def check_run(callbacks: list | None, publish: bool, load_path: Any) -> None:
-    """Callbacks that can run, a checkpoint that exists."""
-    if callbacks and not publish:
-        raise ConfigError("callbacks run in worker processes and need publish=True")
+def check_run(callbacks: list | None, publish: bool, load_path: Any, loggers: list | None = None) -> None:
+    """Callbacks and loggers that can run, a checkpoint that exists."""
+    if (callbacks or loggers) and not publish:
+        raise ConfigError(f"{'callbacks' if callbacks else 'loggers'} run in worker processes and need publish=True")
+    if loggers is not None and not isinstance(loggers, (list, tuple)):
+        raise ConfigError(f"loggers must be a list of logger destinations, got {type(loggers).__name__}")
+    for destination in loggers or []:
+        if not callable(getattr(destination, "log_metrics", None)):
+            raise ConfigError(f"loggers: {type(destination).__name__} is not a logger destination (it has no "
+                              "log_metrics); use offloop.loggers' TensorboardLogger, FileLogger, ...")
     if load_path is not None and not Path(load_path).is_file():
         raise CheckpointError(f"load_path {str(load_path)!r} does not exist or is not a file")
 

@@ -52,12 +52,13 @@ def process_groups(callbacks: list) -> list[list]:
     return [group for group in groups.values() if group]
 
 
-def _serialized(callback: Any) -> bytes:
-    """The callback as its worker process rebuilds it (by value); ConfigError if it cannot be."""
+def _serialized(callback: Any, what: str = "callback") -> bytes:
+    """The callback (or logger) as its worker process rebuilds it (by value); ConfigError if
+    it cannot be."""
     try:
         return cloudpickle.dumps(callback)
     except Exception as exc:
-        raise ConfigError(f"callback {type(callback).__name__} cannot be sent to its worker process: "
+        raise ConfigError(f"{what} {type(callback).__name__} cannot be sent to its worker process: "
                           f"{type(exc).__name__}: {exc}") from None
 
 
@@ -85,10 +86,11 @@ class _Process:
 
 
 class _Worker:
-    def __init__(self, callbacks: list, payloads: list[bytes], process, conn) -> None:
+    def __init__(self, callbacks: list, payloads: list[bytes], process, conn, loggers: list[bytes]) -> None:
         self.callbacks, self.payloads, self.process, self.conn = callbacks, payloads, process, conn
+        self.loggers = loggers  # the run's loggers, serialized: the shared worker holds them
         self.names = [type(callback).__name__ for callback in callbacks]
-        self.name = "+".join(self.names)
+        self.name = "+".join(self.names + (["loggers"] if loggers else []))
         self.ready = False
         self.fits_seen = 0  # the number of the last fit whose fit_end it has handled
         self.reported_dead = False
@@ -121,12 +123,16 @@ class CallbackWorkers:
 
     def __init__(self, callbacks: list, run_dir: str, ready_timeout: float = 120.0,
                  keys: str | None = None, max_restarts: int = 3,
-                 heartbeat_timeout: float = 10.0, nice: int = 10) -> None:
+                 heartbeat_timeout: float = 10.0, nice: int = 10, loggers: list | None = None) -> None:
         self.callbacks = list(callbacks)
         # serialized once, here: a callback that cannot travel fails the Trainer before its
         # sockets exist, and a restarted worker gets the callbacks as they were sent first
         self._groups = [(group, [_serialized(callback) for callback in group])
                         for group in process_groups(self.callbacks)]
+        #: the run's loggers, for the shared worker (one is started for them if no callback shares it)
+        self._loggers = [_serialized(destination, "logger") for destination in loggers or []]
+        if self._loggers and (not self._groups or getattr(self._groups[0][0][0], "process_group", None)):
+            self._groups.insert(0, ([], []))
         #: where each worker's callbacks decide (Callback.decides_on), checked now
         self.decision_schedule = decision_schedule([group for group, _ in self._groups])
         #: added to each worker's nice value: on a CPU it shares with the training loop, the
@@ -154,10 +160,10 @@ class CallbackWorkers:
     def start(self) -> None:
         """Start every worker and return once each is listening. Raises ConfigError, naming
         the callback and the cause, if one cannot start: before `init`, not a run without it."""
-        if not self.callbacks:
+        if not self._groups:
             return
         for index, (group, payloads) in enumerate(self._groups):
-            self.workers.append(self._spawn(group, payloads, index))
+            self.workers.append(self._spawn(group, payloads, index, self._loggers if index == 0 else []))
         deadline = time.monotonic() + self.ready_timeout
         while not all(w.ready or w.gone for w in self.workers):
             left = deadline - time.monotonic()
@@ -173,7 +179,7 @@ class CallbackWorkers:
                                         name="offloop-supervisor")
         self._thread.start()
 
-    def _spawn(self, callbacks: list, payloads: list[bytes], index: int) -> _Worker:
+    def _spawn(self, callbacks: list, payloads: list[bytes], index: int, loggers: list[bytes]) -> _Worker:
         ours, theirs = socket.socketpair()
         try:
             popen = subprocess.Popen([sys.executable, "-m", WORKER_PROGRAM, str(theirs.fileno())],
@@ -183,17 +189,17 @@ class CallbackWorkers:
         conn = Connection(ours.detach())
         settings = {"sys_path": list(sys.path), "run_dir": self.run_dir, "keys": self.keys,
                     "heartbeat_timeout": self.heartbeat_timeout, "nice": self.nice, "count": len(payloads),
-                    "index": index}
+                    "index": index, "loggers": len(loggers)}
         conn.send_bytes(pickle.dumps(settings))
-        for payload in payloads:
+        for payload in payloads + loggers:
             conn.send_bytes(payload)
-        return _Worker(callbacks, payloads, _Process(popen), conn)
+        return _Worker(callbacks, payloads, _Process(popen), conn, loggers)
 
     def _restart(self, worker: _Worker) -> None:
         """Start a fresh process for a worker that died; it carries on from the late-join state."""
         if self._stopping or worker.restarts >= self.max_restarts:
             return
-        fresh = self._spawn(worker.callbacks, worker.payloads, self.workers.index(worker))
+        fresh = self._spawn(worker.callbacks, worker.payloads, self.workers.index(worker), worker.loggers)
         fresh.restarts = worker.restarts + 1
         with self._lock:
             self.workers[self.workers.index(worker)] = fresh

@@ -52,6 +52,7 @@ class Trainer:
         eval_metrics: Any = None,
         loss_fn: Callable | None = None,
         callbacks: list | None = None,
+        loggers: list | None = None,
         run_name: str | None = None,
         run_dir: str | os.PathLike | None = None,
         device: str | torch.device = "auto",
@@ -84,7 +85,7 @@ class Trainer:
                                  worker_nice=worker_nice, decision_timeout=decision_timeout)
         self.max_duration = arguments.parse_duration("max_duration", max_duration) if max_duration else None
         arguments.check_model(model, loss_fn, self.max_duration, num_tokens_fn)
-        arguments.check_run(callbacks, publish, load_path)
+        arguments.check_run(callbacks, publish, load_path, loggers)
 
         self.rank = distributed.rank() if distributed.init_from_env() else 0
         self.world_size = distributed.world_size()
@@ -107,7 +108,7 @@ class Trainer:
         self.keys = Path(keys) if keys else None
         # a worker that hears no heartbeat for 10 intervals (3 s at least) takes the trainer
         # for dead; built (its callbacks serialized) before a socket or run.json exists
-        self.workers = CallbackWorkers(callbacks or [], str(self.run_dir),
+        self.workers = CallbackWorkers(callbacks or [], str(self.run_dir), loggers=loggers,
                                        keys=str(self.keys) if self.keys else None,
                                        heartbeat_timeout=max(3.0, 10 * heartbeat_interval), nice=worker_nice)
 

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["Logger", "LoggerDestination", "ConsoleLogger", "JSONLLogger", "TensorBoardLogger"]
+__all__ = ["Logger", "LoggerDestination", "ConsoleLogger", "JSONLLogger", "TensorBoardLogger",
+           "TensorboardLogger", "FileLogger"]
 
 
 class LoggerDestination:
@@ -95,30 +96,149 @@ class JSONLLogger(LoggerDestination):
             self._file.close()
 
 
-class TensorBoardLogger(LoggerDestination):
-    """TensorBoard event files (needs the `tensorboard` extra)."""
+class TensorboardLogger(LoggerDestination):
+    """Composer's TensorboardLogger: event files in `{log_dir}/{run_name}`
+    (`./tensorboard_logs` by default); every number logged as a scalar at its step, the
+    hyperparameters with `add_hparams`. Needs the `tensorboard` extra. The writer opens in
+    the worker, when the run is known (`init`), so the logger travels to it unopened."""
 
-    def __init__(self, log_dir: str | Path) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise ImportError("TensorBoardLogger needs tensorboard: pip install 'offloop[tensorboard]'") from exc
-        self._writer = SummaryWriter(str(log_dir))
+    def __init__(self, log_dir: str | Path | None = None, flush_interval: int = 100,
+                 rank_zero_only: bool = True) -> None:
+        _summary_writer()  # a missing extra fails when the Trainer is built, naming it
+        if isinstance(flush_interval, bool) or not isinstance(flush_interval, int) or flush_interval < 1:
+            raise ValueError(f"TensorboardLogger: flush_interval must be an int >= 1, got {flush_interval!r}")
+        self.log_dir = str(log_dir) if log_dir is not None else "tensorboard_logs"
+        self.flush_interval, self.rank_zero_only = flush_interval, rank_zero_only
+        self.run_name = ""
+        self._writer = None
+        self._calls = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_writer": None}
+
+    def init(self, state, logger) -> None:
+        self.run_name = state.run_name or self.run_name
+
+    def _directory(self) -> str:
+        return str(Path(self.log_dir) / self.run_name) if self.run_name else self.log_dir
+
+    @property
+    def writer(self):
+        if self._writer is None:
+            self._writer = _summary_writer()(self._directory())
+        return self._writer
 
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
         for key, value in metrics.items():
             value = _jsonable(value)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(key, value, step)
+                self.writer.add_scalar(key, value, step)
+        self._calls += 1
+        if self._calls % self.flush_interval == 0:
+            self.writer.flush()
 
     def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
-        self._writer.add_text("hparams", json.dumps(_jsonable(hparams)))
+        flat = {key: value if isinstance(value, (int, float, str, bool)) else json.dumps(_jsonable(value))
+                for key, value in hparams.items()}
+        self.writer.add_hparams(flat, {}, run_name=".")  # beside the scalars, not a run of its own
 
     def flush(self) -> None:
-        self._writer.flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+class TensorBoardLogger(TensorboardLogger):
+    """TensorBoard event files straight in `log_dir` (what `offloop worker --tensorboard`
+    writes); Composer's `TensorboardLogger` adds the run's name below its `log_dir`."""
+
+    def __init__(self, log_dir: str | Path) -> None:
+        super().__init__(log_dir, flush_interval=1)
+
+    def _directory(self) -> str:
+        return self.log_dir
+
+
+def _summary_writer():
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ImportError("TensorboardLogger needs tensorboard: pip install 'offloop[tensorboard]'") from exc
+    return SummaryWriter
+
+
+class FileLogger(LoggerDestination):
+    """Composer's FileLogger: every metric, hyperparameter and text line in a file, as text
+    (`[metric][batch=N]: name: value`) or, for a name ending in `.jsonl`, one JSON object a
+    line. `{run_name}` and `{rank}` in `filename` are filled in when the run is known."""
+
+    def __init__(self, filename: str | Path = "{run_name}/logs-rank{rank}.txt", flush_interval: int = 100,
+                 log_format: str | None = None) -> None:
+        self.filename = str(filename)
+        try:
+            self.filename.format(run_name="run", rank=0)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"FileLogger: filename {self.filename!r} is not a valid format string ({exc!r}); "
+                             "its fields are {run_name} and {rank}") from None
+        self.log_format = log_format or ("jsonl" if self.filename.endswith(".jsonl") else "text")
+        if self.log_format not in ("text", "jsonl"):
+            raise ValueError(f"FileLogger: log_format must be 'text' or 'jsonl', got {log_format!r}")
+        if isinstance(flush_interval, bool) or not isinstance(flush_interval, int) or flush_interval < 1:
+            raise ValueError(f"FileLogger: flush_interval must be an int >= 1, got {flush_interval!r}")
+        self.flush_interval = flush_interval
+        self.run_name, self.rank = "run", 0
+        self._file = None
+        self._lines = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_file": None}
+
+    def init(self, state, logger) -> None:
+        self.run_name, self.rank = state.run_name or self.run_name, state.rank
+
+    @property
+    def path(self) -> Path:
+        return Path(self.filename.format(run_name=self.run_name, rank=self.rank))
+
+    def _write(self, record: dict[str, Any], text: str) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a")
+        self._file.write((json.dumps(record) if self.log_format == "jsonl" else text) + "\n")
+        self._lines += 1
+        if self._lines % self.flush_interval == 0:
+            self._file.flush()
+
+    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        values = _jsonable(metrics)
+        if self.log_format == "jsonl":
+            self._write({"step": step, "time": time.time(), **values}, "")
+        else:
+            for name, value in values.items():
+                self._write({}, f"[metric][batch={step}]: {name}: {_fmt(value)}")
+
+    def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
+        values = _jsonable(hparams)
+        if self.log_format == "jsonl":
+            self._write({"hparams": values, "time": time.time()}, "")
+        else:
+            for name, value in values.items():
+                self._write({}, f"[hyperparameter]: {name}: {value}")
+
+    def log_text(self, text: str) -> None:
+        self._write({"text": text, "time": time.time()}, f"[text]: {text}")
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 class Logger:

@@ -50,10 +50,18 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as exc:  # its class cannot be rebuilt here: said in one line, no traceback
             conn.send(("error", (index, f"cannot be rebuilt in its worker process: {type(exc).__name__}: {exc}")))
             raise SystemExit(2) from None
+    loggers = []
+    for index in range(settings.get("loggers", 0)):
+        try:
+            loggers.append(cloudpickle.loads(conn.recv_bytes()))
+        except Exception as exc:
+            conn.send(("error", (None, f"logger {index + 1} cannot be rebuilt in its worker process: "
+                                       f"{type(exc).__name__}: {exc}")))
+            raise SystemExit(2) from None
     from offloop.workers.runtime import serve_trainer_callbacks
 
     serve_trainer_callbacks(callbacks, settings["run_dir"], conn, settings["keys"], settings["heartbeat_timeout"],
-                            settings.get("index"))
+                            settings.get("index"), loggers)
 
 
 class WholeLines(io.RawIOBase):
