@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from offloop.trainer.errors import ConfigError
 __all__ = ["Decisions", "decision_schedule"]
 
 log = logging.getLogger("offloop.trainer")
+_KEEP_WAITS = 10_000
 
 
 class Decisions:
@@ -39,8 +41,10 @@ class Decisions:
         if control is not None and self.schedule:
             control.on_request = workers.wake  # a request wakes a wait: answered at once
         self.ident = 0  # the id of the last awaited event
-        self.waits: list[float] = []  # seconds each wait took (benchmarks/control_latency.py)
-        self.served: list[float] = []  # of which serving requests (a checkpoint's write, say)
+        # seconds each of the latest waits took (benchmarks/control_latency.py), and of it serving
+        # requests (a checkpoint's write, say); bounded: a '1ba' interval waits at every batch
+        self.waits: deque[float] = deque(maxlen=_KEEP_WAITS)
+        self.served: deque[float] = deque(maxlen=_KEEP_WAITS)
         self._gave_up: set[int] = set()  # workers that missed a wait: asynchronous from then on
 
     def fire(self, topic: str, ts: Timestamp, data: dict | None = None) -> None:
