@@ -91,14 +91,19 @@ def parse_duration(name: str, value: Any) -> Time:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
+    """'auto', 'cpu', 'cuda', 'cuda:N', or Composer's 'gpu' (the current CUDA device)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "gpu":
+        if not torch.cuda.is_available():
+            raise ConfigError("device 'gpu' was asked for, but this machine has no CUDA device")
+        return torch.device("cuda", torch.cuda.current_device())
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ConfigError(f"device {device!r} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+        raise ConfigError(f"device {device!r} is not a device: use 'auto', 'cpu', 'gpu', 'cuda' or 'cuda:N'") from None
     if resolved.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device {device!r} is not supported: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        raise ConfigError(f"device {device!r} is not supported: use 'auto', 'cpu', 'gpu', 'cuda' or 'cuda:N'")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} was asked for, but this machine has no CUDA device")
     if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():

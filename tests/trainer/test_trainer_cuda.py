@@ -80,3 +80,10 @@ def test_log_metrics_of_a_cuda_tensor_never_syncs(tmp_path):
     sub.close()
     trainer.close()
     assert len(logged) == 10 and all(isinstance(v, float) for v in logged)
+
+
+def test_composers_gpu_device_is_the_current_cuda_device(tmp_path):
+    with Trainer(mlp(), [(torch.randn(4, 8), torch.randint(0, 3, (4,)))], "1ba",
+                 loss_fn=torch.nn.functional.cross_entropy, device="gpu", run_dir=tmp_path / "run") as trainer:
+        assert trainer.device == torch.device("cuda", torch.cuda.current_device())
+        trainer.fit()

@@ -60,6 +60,8 @@ def test_unknown_device_is_refused(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA device"):
             make(device="cuda", run_dir=tmp_path)
+        with pytest.raises(ConfigError, match="device 'gpu' was asked for, but this machine has no CUDA device"):
+            make(device="gpu", run_dir=tmp_path)  # Composer's name for the CUDA device
 
 
 def test_bad_precision_and_grad_accum(tmp_path):
