@@ -80,6 +80,7 @@ def test_an_endpoint_that_answers_with_something_that_is_not_a_run_is_refused_cl
     try:
         with pytest.raises(RunNotFound, match="answered with something that is not a run"):
             find_run(f"tcp://127.0.0.1:{server.port}", timeout=10)
+        server.thread.join(15)  # it sets `answered` once its send returns: after the client has the reply
         assert server.answered.is_set()
     finally:
         server.close()
