@@ -27,8 +27,13 @@ class Control:
     """What has been asked of the run, and how far the run is in answering it."""
 
     def __init__(self, server: ControlServer | None, agreement: ControlAgreement,
-                 emit: Callable[..., Any], *, checkpoint_on_sigterm: bool, saves_after_fit: bool) -> None:
+                 emit: Callable[..., Any], *, checkpoint_on_sigterm: bool, saves_after_fit: bool,
+                 write: Callable[[list[ControlRequest]], tuple[Path, str]],
+                 now: Callable[[], Timestamp], release: Callable[[], None]) -> None:
         self.server, self.agreement, self._emit = server, agreement, emit
+        # the trainer's: write(requests) -> (path, tag) a checkpoint of the step now(), and
+        # release() its held events (checkpoint_saved leaves at once)
+        self._write, self._now, self._release = write, now, release
         self.checkpoint_on_sigterm = checkpoint_on_sigterm
         self.saves_after_fit = saves_after_fit  # one process, rank 0: a late request is still saved
         self.stop = False  # no batch after the current one trains
@@ -102,17 +107,25 @@ class Control:
         self.due, self.checkpoints = 0, []
         return [[request] for request in requests] + [[] for _ in range(due - len(requests))]
 
-    def save(self, due: list[list[ControlRequest]], write: Callable[[list[ControlRequest]], tuple[Path, str]],
-             where: str, ts: Timestamp) -> None:
-        """Write one checkpoint per group of `due` with `write(requests) -> (path, tag)` and
-        answer its requests: acked with the file, or refused with why it could not be."""
+    def save(self, where: str, due: list[list[ControlRequest]]) -> None:
+        """Write one checkpoint per group of `due` (take_due(); an empty group: a SIGTERM's,
+        or another rank's share of rank 0's) and answer its requests: acked with the file,
+        or refused with why it could not be; checkpoint_saved published at once."""
+        ts = self._now()
         for requests in due:
             try:
-                path, tag = write(requests)
+                path, tag = self._write(requests)
             except CheckpointError as exc:
                 self.checkpoint_refused(requests, exc, ts)
             else:
                 self.checkpoint_saved(requests, path, tag, where, ts)
+        self._release()
+
+    def serve(self, where: str) -> None:
+        """While the loop waits at a decision (trainer/decisions.py): a halt is applied, a
+        checkpoint written now."""
+        if self.poll(self._now()):
+            self.save(where, self.take_due())
 
     def checkpoint_saved(self, requests: list[ControlRequest], path: Path, tag: str, where: str,
                          ts: Timestamp) -> None:
@@ -155,16 +168,16 @@ class Control:
             request.refuse("the run finished before this request could be applied", step=ts.batch)
         self.halts, self.checkpoints = [], []
 
-    def answer_late(self, ts: Timestamp, save: Callable[[list[ControlRequest]], None]) -> None:
+    def answer_late(self) -> None:
         """Requests that come after training stopped: a checkpoint is still written (of the
-        final weights, by `save`) and acked; a halt is refused — nothing is left to stop."""
+        final weights) and acked; a halt is refused — nothing is left to stop."""
         if self.server is None:
             return
         for request in self.server.poll():
             if request.op == "checkpoint" and self.saves_after_fit:
-                save([request])
+                self.save("after_fit", [[request]])
             else:
-                request.refuse("the run has finished", step=ts.batch)
+                request.refuse("the run has finished", step=self._now().batch)
 
     def _stopped_by_sigterm(self, ts: Timestamp) -> None:
         if self.sigterm and self.stopped_by is None:

@@ -122,9 +122,12 @@ class Trainer:
         self.emitter = Emitter(self.publisher, self.device, float(burst_interval))
         self.controller = Control(self.control, self._agreement, self.emitter.emit,
                                   checkpoint_on_sigterm=checkpoint_on_sigterm,
-                                  saves_after_fit=self.rank == 0 and self.world_size == 1)
+                                  saves_after_fit=self.rank == 0 and self.world_size == 1,
+                                  write=lambda requests: self._checkpointer.write(
+                                      self.timestamp, self._epoch_rng, *checkpoint.requested_name(requests)),
+                                  now=lambda: self.timestamp, release=self.emitter.release)
         self._decisions = Decisions(self.workers.decision_schedule if self.world_size == 1 else {},
-                                    float(decision_timeout), self.emitter, self.workers, self.control, self._serve)
+                                    float(decision_timeout), self.emitter, self.workers, self.control, self.controller.serve)
         self._readings = StepReadings(self.device, self.optimizers, self.emitter.host,
                                       per_param_grad_norms=per_param_grad_norms, publish_samples=publish_samples,
                                       flops_fn=getattr(self._bare_model, "flops_per_batch", None))
@@ -201,7 +204,7 @@ class Trainer:
         try:
             self._fit_loop()
             if control.end_loop(self.timestamp):  # a SIGTERM no batch boundary has saved yet
-                self._save_checkpoints("fit_end", [[]])
+                control.save("fit_end", [[]])
         finally:
             control.in_fit = False
             self._finish_fit()
@@ -323,7 +326,7 @@ class Trainer:
             self._run_evaluators(TimeUnit.BATCH)
         self._decisions.fire(Topic.BATCH_CHECKPOINT, ts)
         if self.controller.due:  # asked for since the last batch (a decision here is saved in fire())
-            self._save_checkpoints("batch_checkpoint", self.controller.take_due())
+            self.controller.save("batch_checkpoint", self.controller.take_due())
         if emitter.cuda:
             emitter.poll()
 
@@ -344,18 +347,6 @@ class Trainer:
         return outputs, loss_fn(outputs, targets)
 
     # -------------------------------------------------------------- checkpoints
-
-    def _save_checkpoints(self, where: str, due: list[list]) -> None:
-        """A checkpoint for each group of requests in `due` (Control.take_due; an empty one: a
-        SIGTERM's, or another rank's share of rank 0's), acked, checkpoint_saved published."""
-        self.controller.save(due, lambda requests: self._checkpointer.write(
-            self.timestamp, self._epoch_rng, *checkpoint.requested_name(requests)), where, self.timestamp)
-        self.emitter.release()
-
-    def _serve(self, where: str) -> None:
-        """While the loop waits at a decision: a halt is applied, a checkpoint written now."""
-        if self.controller.poll(self.timestamp):
-            self._save_checkpoints(where, self.controller.take_due())
 
     def request_halt(self, reason: str = "") -> None:
         """In-process twin of a halt request: stop after the current batch."""
@@ -476,16 +467,13 @@ class Trainer:
         # with no fit (only eval() or predict()) there is no fit_end to wait for: the
         # workers take the stream's final heartbeats as the end, after every event before them
         if self.workers.workers and wait_for_workers and control.fit_ended:
-            self.workers.wait_for_fit_end(self.worker_shutdown_timeout, self._answer_late, self.timestamp.batch)
-        self._answer_late()
+            self.workers.wait_for_fit_end(self.worker_shutdown_timeout, control.answer_late, self.timestamp.batch)
+        control.answer_late()
         ts = self.timestamp
         if self._sockets is None:
             return self.workers.stop()
         self._sockets.close(self.workers.stop, stopped_by=self.stopped_by, checkpoints=self.checkpoints,
                             progress={"epoch": ts.epoch, "batch": ts.batch, "sample": ts.sample, "token": ts.token})
-
-    def _answer_late(self) -> None:
-        self.controller.answer_late(self.timestamp, lambda requests: self._save_checkpoints("after_fit", [requests]))
 
     def _check_open(self, what: str) -> None:
         """After close() a fit, eval or predict would run unseen by every callback: refused."""
