@@ -221,10 +221,11 @@ class Worker:
         """The id the trainer awaits from this worker for `msg` (taken out of its data, so
         callbacks see the event's own fields), or None."""
         awaits = msg.data.pop(AWAITS)
-        if self.index is None or not isinstance(awaits, dict) or self.index not in awaits.get("workers", ()):
+        if self.index is None or not isinstance(awaits, dict) or type(awaits.get("id")) is not int \
+                or not isinstance(awaits.get("workers"), list) or self.index not in awaits["workers"]:
             return None
         self.state._set(decision_awaited=True)
-        return awaits.get("id")
+        return awaits["id"]
 
     def _note_gaps(self) -> None:
         """Tell recorders where events were lost, topic by topic."""
