@@ -105,8 +105,7 @@ class TensorboardLogger(LoggerDestination):
     def __init__(self, log_dir: str | Path | None = None, flush_interval: int = 100,
                  rank_zero_only: bool = True) -> None:
         _summary_writer()  # a missing extra fails when the Trainer is built, naming it
-        if isinstance(flush_interval, bool) or not isinstance(flush_interval, int) or flush_interval < 1:
-            raise ValueError(f"TensorboardLogger: flush_interval must be an int >= 1, got {flush_interval!r}")
+        _check_flush_interval("TensorboardLogger", flush_interval)
         self.log_dir = str(log_dir) if log_dir is not None else "tensorboard_logs"
         self.flush_interval, self.rank_zero_only = flush_interval, rank_zero_only
         self.run_name = ""
@@ -162,6 +161,11 @@ class TensorBoardLogger(TensorboardLogger):
         return self.log_dir
 
 
+def _check_flush_interval(owner: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}: flush_interval must be an int >= 1, got {value!r}")
+
+
 def _summary_writer():
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -186,8 +190,7 @@ class FileLogger(LoggerDestination):
         self.log_format = log_format or ("jsonl" if self.filename.endswith(".jsonl") else "text")
         if self.log_format not in ("text", "jsonl"):
             raise ValueError(f"FileLogger: log_format must be 'text' or 'jsonl', got {log_format!r}")
-        if isinstance(flush_interval, bool) or not isinstance(flush_interval, int) or flush_interval < 1:
-            raise ValueError(f"FileLogger: flush_interval must be an int >= 1, got {flush_interval!r}")
+        _check_flush_interval("FileLogger", flush_interval)
         self.flush_interval = flush_interval
         self.run_name, self.rank = "run", 0
         self._file = None

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from common import GatedDataset, ask, data, loader, mlp
+from helpers.waiting import wait_until
 
 from offloop.bus import Subscriber
 from offloop.trainer import Trainer
@@ -17,7 +18,8 @@ F = torch.nn.functional
 
 
 def gated_run(tmp_path: Path, gate_at: int, requests: list[tuple[str, dict]], **kw):
-    """Train 3 epochs of 8 batches; the requests arrive while batch (gate_at-1)//8+1 loads."""
+    """Train 3 epochs of 8 batches; the requests arrive while batch (gate_at-1)//8+1 loads,
+    in the order given (each is sent once the one before it has reached the server)."""
     dataset = GatedDataset(data(64), gate_at)
     trainer = Trainer(mlp(), loader(dataset=dataset, batch_size=8), "3ep", loss_fn=F.cross_entropy,
                       seed=7, run_dir=tmp_path / "run", **kw)
@@ -28,11 +30,11 @@ def gated_run(tmp_path: Path, gate_at: int, requests: list[tuple[str, dict]], **
 
     def line_up():
         assert dataset.reached.wait(30)
-        threads = [ask(trainer.control.endpoint, *request, acks) if len(request) == 2 else
-                   ask(trainer.control.endpoint, *request[:2], acks, key=request[2]) for request in requests]
-        deadline = time.monotonic() + 10
-        while trainer.control.stats.received < len(requests) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        threads = []
+        for n, request in enumerate(requests):
+            op, args, *key = request
+            threads.append(ask(trainer.control.endpoint, op, args, acks, key=key[0] if key else None))
+            wait_until(lambda n=n: trainer.control.stats.received > n, 10, f"request {n + 1} to arrive")
         dataset.release.set()
         for thread in threads:
             thread.join(30)

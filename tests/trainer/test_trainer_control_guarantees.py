@@ -6,20 +6,10 @@ right after a halt or a refused request is not lost with it."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
-import torch
-from common import GatedDataset, ask, data, loader, mlp
-from helpers.waiting import wait_until
 from test_trainer_control import gated_run
-
-from offloop.trainer import Trainer
-
-F = torch.nn.functional
-
-
 
 
 def test_two_checkpoint_requests_at_one_batch_get_a_file_each_and_every_total_counts_them(tmp_path):
@@ -43,26 +33,8 @@ def test_two_checkpoint_requests_at_one_batch_get_a_file_each_and_every_total_co
                          ids=["halt", "refused-checkpoint"])
 def test_a_checkpoint_asked_after_a_halt_or_a_refused_request_at_the_same_batch_is_still_written(
         tmp_path, first):
-    dataset = GatedDataset(data(64), 20)  # item 20 of the shuffled epoch: the third batch
-    trainer = Trainer(mlp(), loader(dataset=dataset, batch_size=8), "3ep", loss_fn=F.cross_entropy,
-                      seed=7, run_dir=tmp_path / "run")
-    acks: dict = {}
-
-    def line_up():  # `first` arrives first, the checkpoint after it; both before batch 3 ends
-        assert dataset.reached.wait(30)
-        threads = []
-        for n, (op, args, key) in enumerate([(*first, "first"), ("checkpoint", {"tag": "last"}, "last")]):
-            threads.append(ask(trainer.control.endpoint, op, args, acks, key=key))
-            wait_until(lambda n=n: trainer.control.stats.received > n, 10, f"request {n + 1} to arrive")
-        dataset.release.set()
-        for thread in threads:
-            thread.join(30)
-
-    helper = threading.Thread(target=line_up, daemon=True)
-    helper.start()
-    trainer.fit()
-    helper.join(40)
-    trainer.close()
+    # `first` arrives first, the checkpoint after it; both while batch 3 loads
+    trainer, acks, _ = gated_run(tmp_path, 20, [(*first, "first"), ("checkpoint", {"tag": "last"}, "last")])
     if first[0] == "halt":
         assert acks["first"].ok and acks["first"].result["step"] == 3
     else:  # refused, by the trainer or before it by the server (either way, alone)

@@ -12,6 +12,28 @@ from offloop.trainer import Trainer
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def fit_never_syncing(trainer: Trainer, topics: list[str]) -> list:
+    """fit() with any host-device synchronisation raising, then close(); the live messages of
+    `topics` a subscriber received meanwhile."""
+    endpoints = trainer.publisher.endpoints
+    sub = Subscriber(endpoints["events"], endpoints["state"], topics=topics)
+    sub.connect()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        trainer.fit()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    received = []
+    while (msg := sub.recv(timeout=1)) is not None:
+        if not msg.from_state:
+            received.append(msg)
+    sub.close()
+    trainer.close()
+    assert sub.stats.gaps == 0
+    return received
+
+
 def test_training_with_every_event_published_never_syncs(tmp_path):
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -20,28 +42,16 @@ def test_training_with_every_event_published_never_syncs(tmp_path):
     trainer = Trainer(mlp().to(device), batches, "20ba", loss_fn=torch.nn.functional.cross_entropy,
                       optimizers=None, device="cuda", run_dir=tmp_path / "run",
                       per_param_grad_norms=True)
-    endpoints = trainer.publisher.endpoints
     # every event, and the gradient norms a GradMonitor asks for by name
-    sub = Subscriber(endpoints["events"], endpoints["state"], topics=[*RUN_TOPICS, GRAD_NORMS])
-    sub.connect()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        trainer.fit()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     losses, norms = [], []
-    while (msg := sub.recv(timeout=1)) is not None:
-        if msg.topic == "batch_end" and not msg.from_state:
+    for msg in fit_never_syncing(trainer, [*RUN_TOPICS, GRAD_NORMS]):
+        if msg.topic == "batch_end":
             losses.append(msg.data["loss"])
             assert msg.data["memory"]["allocated_bytes"] > 0
         if msg.topic == GRAD_NORMS:
             norms.append(msg.data["grad_norm"])
-    sub.close()
-    trainer.close()
     assert len(losses) == 20 and all(isinstance(v, float) for v in losses)
     assert len(norms) == 20 and all(v > 0 for v in norms)
-    assert sub.stats.gaps == 0
 
 
 class LogsOnDevice(torch.nn.Module):
@@ -64,21 +74,7 @@ def test_log_metrics_of_a_cuda_tensor_never_syncs(tmp_path):
     batches = [(torch.randn(32, 8, device=device), torch.randint(0, 3, (32,), device=device)) for _ in range(10)]
     trainer = Trainer(LogsOnDevice().to(device), batches, "10ba", loss_fn=torch.nn.functional.cross_entropy,
                       device="cuda", run_dir=tmp_path / "run")
-    endpoints = trainer.publisher.endpoints
-    sub = Subscriber(endpoints["events"], endpoints["state"], topics=["batch_end"])
-    sub.connect()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        trainer.fit()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    logged = []
-    while (msg := sub.recv(timeout=1)) is not None:
-        if msg.topic == "batch_end" and not msg.from_state:
-            logged.append(msg.data["metrics"]["aux/mean"])
-    sub.close()
-    trainer.close()
+    logged = [msg.data["metrics"]["aux/mean"] for msg in fit_never_syncing(trainer, ["batch_end"])]
     assert len(logged) == 10 and all(isinstance(v, float) for v in logged)
 
 
