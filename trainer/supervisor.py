@@ -337,7 +337,8 @@ class CallbackWorkers:
                             "was still behind" if behind else "did not exit")
                 worker.process.terminate()
                 worker.process.join(timeout=5)
+        if self._thread is not None:  # it reads and closes the socket pairs too: done first
+            self._thread.join(timeout=2)
+        for worker in self.workers:
             if not worker.conn.closed:
                 worker.conn.close()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
