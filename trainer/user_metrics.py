@@ -5,8 +5,8 @@ Values are held, not published, when logged: a step's go out with its `batch_end
 `metrics`), an evaluation's with its `eval_end` (beside the eval metrics), a prediction's
 with `predict_end`. A 0-d tensor is kept as the loss is (on the CPU a number at once; on
 CUDA the tensor, copied off the GPU with the snapshot, never a sync). They go to the
-Trainer built last in this process and not yet closed: training code has no handle on
-the Trainer, and one process trains with one Trainer at a time.
+Trainer built last in this process (an error once it is closed, never an older one):
+training code has no handle on the Trainer, and one process trains with one at a time.
 """
 
 from __future__ import annotations
@@ -22,16 +22,18 @@ from offloop.trainer.errors import TrainerError
 
 __all__ = ["UserMetrics", "log_metrics"]
 
-_open: list[weakref.ref] = []  # UserMetrics of the Trainers not closed, oldest first
+_latest: weakref.ref | None = None  # the UserMetrics of the Trainer built last
 
 
 class UserMetrics:
     """One Trainer's metrics logged since its last snapshot took them."""
 
     def __init__(self, host: Callable[[torch.Tensor], Any]) -> None:
+        global _latest
         self._host = host
         self.values: dict[str, Any] = {}
-        _open.append(weakref.ref(self))
+        self.closed = False
+        _latest = weakref.ref(self)
 
     def log(self, metrics: Mapping[str, Any]) -> None:
         if not isinstance(metrics, Mapping):
@@ -58,16 +60,15 @@ class UserMetrics:
         return values
 
     def close(self) -> None:
-        _open[:] = [ref for ref in _open if ref() is not None and ref() is not self]
+        self.closed = True
 
 
 def log_metrics(metrics: Mapping[str, Any]) -> None:
     """Log scalars from training code: `log_metrics({"aux/penalty": penalty})`. They reach
     callbacks (`state.train_metrics` at batch_end; beside `state.eval_metrics` during an
     evaluation), so an EarlyStopper can monitor them, and the Prometheus exporter."""
-    while _open and _open[-1]() is None:
-        _open.pop()
-    if not _open:
+    target = _latest() if _latest is not None else None
+    if target is None or target.closed:
         raise TrainerError("log_metrics() needs a Trainer: build one (and do not close it) before "
-                           "training code logs")
-    _open[-1]().log(metrics)
+                           "training code logs; it goes to the one built last")
+    target.log(metrics)

@@ -87,3 +87,14 @@ def test_without_an_open_trainer_it_says_what_is_missing(tmp_path):
     trainer.close()
     with pytest.raises(TrainerError, match="log_metrics\\(\\) needs a Trainer"):
         log_metrics({"x": 1.0})
+
+
+def test_an_older_open_trainer_never_gets_what_the_closed_latest_would_have(tmp_path):
+    older = Trainer(torch.nn.Linear(8, 3), loader(16, 8), "1ep", loss_fn=F.cross_entropy, run_dir=tmp_path / "a")
+    Trainer(torch.nn.Linear(8, 3), loader(16, 8), "1ep", loss_fn=F.cross_entropy, run_dir=tmp_path / "b").close()
+    try:
+        with pytest.raises(TrainerError, match="goes to the one built last"):
+            log_metrics({"x": 1.0})
+        assert older._readings.user_metrics.values == {}
+    finally:
+        older.close()
