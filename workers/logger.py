@@ -6,14 +6,18 @@ destination gets every call, in the order given.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["Logger", "LoggerDestination", "ConsoleLogger", "JSONLLogger", "TensorBoardLogger",
+import numpy as np
+
+__all__ = ["MissingExtraError", "Logger", "LoggerDestination", "ConsoleLogger", "JSONLLogger", "TensorBoardLogger",
            "TensorboardLogger", "FileLogger"]
 
 
@@ -29,6 +33,12 @@ class LoggerDestination:
     def log_text(self, text: str) -> None:
         pass
 
+    def log_images(self, images: list[np.ndarray], name: str, step: int) -> None:
+        """`images`: HWC arrays (uint8, or floats in [0, 1]), as `Logger.log_images` makes them."""
+
+    def log_table(self, columns: list[str], rows: list[list[Any]], name: str, step: int) -> None:
+        pass
+
     def flush(self) -> None:
         pass
 
@@ -36,9 +46,15 @@ class LoggerDestination:
         self.flush()
 
 
-def _jsonable(value: Any) -> Any:
+def _scalar(value: Any) -> Any:
+    """A 0-d tensor or numpy number as a Python number; anything else as it is."""
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
-        value = value.item()
+        return value.item()
+    return value
+
+
+def _jsonable(value: Any) -> Any:
+    value = _scalar(value)
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, (str, int, float, bool)) or value is None:
@@ -104,7 +120,7 @@ class TensorboardLogger(LoggerDestination):
 
     def __init__(self, log_dir: str | Path | None = None, flush_interval: int = 100,
                  rank_zero_only: bool = True) -> None:
-        _summary_writer()  # a missing extra fails when the Trainer is built, naming it
+        _require("tensorboard", "TensorboardLogger", "tensorboard")  # fails when the Trainer is built
         _check_flush_interval("TensorboardLogger", flush_interval)
         self.log_dir = str(log_dir) if log_dir is not None else "tensorboard_logs"
         self.flush_interval, self.rank_zero_only = flush_interval, rank_zero_only
@@ -141,6 +157,11 @@ class TensorboardLogger(LoggerDestination):
                 for key, value in hparams.items()}
         self.writer.add_hparams(flat, {}, run_name=".")  # beside the scalars, not a run of its own
 
+    def log_images(self, images: list[np.ndarray], name: str, step: int) -> None:
+        for index, image in enumerate(images):
+            tag = name if len(images) == 1 else f"{name}/{index}"
+            self.writer.add_image(tag, image, step, dataformats="HWC")
+
     def flush(self) -> None:
         if self._writer is not None:
             self._writer.flush()
@@ -167,11 +188,19 @@ def _check_flush_interval(owner: str, value: Any) -> None:
 
 
 def _summary_writer():
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as exc:
-        raise ImportError("TensorboardLogger needs tensorboard: pip install 'offloop[tensorboard]'") from exc
+    from torch.utils.tensorboard import SummaryWriter
+
     return SummaryWriter
+
+
+class MissingExtraError(ImportError):
+    """A logger's library is not installed: the message names the extra that installs it."""
+
+
+def _require(module: str, owner: str, extra: str) -> None:
+    """Looked up, not imported: the logger imports it in its worker, where the run opens."""
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtraError(f"{owner} needs {module}, which is not installed: pip install 'offloop[{extra}]'")
 
 
 class FileLogger(LoggerDestination):
@@ -245,29 +274,82 @@ class FileLogger(LoggerDestination):
 
 
 class Logger:
-    """What callbacks call: `logger.log_metrics({...})`; the step defaults to the batch."""
+    """What callbacks call: `logger.log_metrics({...})`; the step defaults to the batch.
+
+    A destination that raises (a tracking server gone, a full disk) is reported once on
+    stderr and left out from then on, counted in `failed`: the other destinations and the
+    callbacks that log go on."""
 
     def __init__(self, state, destinations: list[LoggerDestination] | None = None) -> None:
         self._state = state
         self.destinations = list(destinations if destinations is not None else [ConsoleLogger()])
+        #: destinations left out after raising, by class name: how many calls each missed
+        self.failed: dict[str, int] = {}
+        self._broken: set[int] = set()
+
+    def _each(self, method: str, *args: Any) -> None:
+        for index, dest in enumerate(self.destinations):
+            name = type(dest).__name__
+            if index in self._broken:
+                self.failed[name] = self.failed.get(name, 0) + 1
+                continue
+            call = getattr(dest, method, None)
+            if call is None:  # init() is optional, as in Composer
+                continue
+            try:
+                call(*args)
+            except Exception as exc:
+                self._broken.add(index)
+                self.failed[name] = self.failed.get(name, 0) + 1
+                print(f"offloop logger: {name}.{method} raised {exc!r}; {name} gets nothing more "
+                      f"this run\n{traceback.format_exc()}", file=sys.stderr, flush=True)
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         step = self._state.timestamp.batch if step is None else step
-        for dest in self.destinations:
-            dest.log_metrics(dict(metrics), step)
+        self._each("log_metrics", dict(metrics), step)
 
     def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
-        for dest in self.destinations:
-            dest.log_hyperparameters(dict(hparams))
+        self._each("log_hyperparameters", dict(hparams))
 
     def log_text(self, text: str) -> None:
-        for dest in self.destinations:
-            dest.log_text(text)
+        self._each("log_text", text)
+
+    def log_images(self, images: Any, name: str = "Images", channels_last: bool = False,
+                   step: int | None = None) -> None:
+        """Composer's `log_images`: a tensor or array of one image (CHW, HWC with
+        `channels_last`, or HW) or a batch (NCHW / NHWC), or a list of them."""
+        step = self._state.timestamp.batch if step is None else step
+        self._each("log_images", as_hwc_images(images, channels_last), name, step)
+
+    def log_table(self, columns: list[str], rows: list[list[Any]], name: str = "Table",
+                  step: int | None = None) -> None:
+        step = self._state.timestamp.batch if step is None else step
+        if any(len(row) != len(columns) for row in rows):
+            raise ValueError(f"log_table {name!r}: every row needs {len(columns)} values, one per column")
+        self._each("log_table", list(columns), [list(row) for row in rows], name, step)
+
+    def init(self, state) -> None:
+        """Tell each destination the run (Composer's `LoggerDestination.init(state, logger)`)."""
+        self._each("init", state, self)
 
     def flush(self) -> None:
-        for dest in self.destinations:
-            dest.flush()
+        self._each("flush")
 
     def close(self) -> None:
-        for dest in self.destinations:
-            dest.close()
+        self._each("close")
+
+
+def as_hwc_images(images: Any, channels_last: bool = False) -> list[np.ndarray]:
+    """Images as HWC numpy arrays, one per image, whatever layout Composer accepts."""
+    if isinstance(images, (list, tuple)):
+        return [image for item in images for image in as_hwc_images(item, channels_last)]
+    if hasattr(images, "detach"):
+        images = images.detach().cpu().float().numpy()
+    array = np.asarray(images)
+    if array.ndim == 2:
+        return [array[:, :, None]]
+    if array.ndim == 3:
+        return [array if channels_last else array.transpose(1, 2, 0)]
+    if array.ndim == 4:
+        return [image if channels_last else image.transpose(1, 2, 0) for image in array]
+    raise ValueError(f"log_images: an image has 2 to 4 dimensions (HW, CHW, NCHW), got shape {array.shape}")

@@ -5,16 +5,25 @@ what callbacks log, and are read back from their real files."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
 from common import loader
+from helpers.tracking_servers import MlflowServer, wandb_history, wandb_records
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from offloop import log_metrics
-from offloop.loggers import FileLogger, TensorboardLogger
+from offloop.loggers import (
+    FileLogger,
+    LoggerDestination,
+    MissingExtraError,
+    MLFlowLogger,
+    TensorboardLogger,
+    WandBLogger,
+)
 from offloop.trainer import ConfigError, Trainer
 from offloop.workers import Callback
 from offloop.workers.callbacks import LRMonitor
@@ -90,3 +99,94 @@ def test_bad_loggers_are_refused_when_the_trainer_is_built(tmp_path):
                 loggers=[FileLogger()], publish=False, run_dir=tmp_path / "b")
     with pytest.raises(ValueError, match="FileLogger: filename '{nope}/x.txt' is not a valid format"):
         FileLogger("{nope}/x.txt")
+
+
+def test_mlflow_runs_hold_the_loss_eval_metrics_params_and_tags_on_a_real_tracking_server(tmp_path):
+    from mlflow import MlflowClient
+
+    with MlflowServer(tmp_path / "mlflow") as server:
+        logger = MLFlowLogger(experiment_name="offloop-tests", tracking_uri=server.url, tags={"team": "a"},
+                              log_system_metrics=False, rename_metrics={"metrics/train/aux": "aux"},
+                              ignore_hyperparameters=["wid*"])
+        with _trainer(tmp_path, [logger], [LRMonitor()]) as trainer:
+            trainer.fit()
+        client = MlflowClient(server.url)
+        experiment = client.get_experiment_by_name("offloop-tests")
+        [run] = client.search_runs([experiment.experiment_id])
+        assert run.info.run_name == "logged" and run.info.status == "FINISHED"
+        assert run.data.tags["team"] == "a" and run.data.tags["run_name"] == "logged"
+        assert run.data.params == {"lr": "0.1"}  # width is ignored by pattern
+        history = client.get_metric_history(run.info.run_id, "loss/train/total")
+        assert sorted(m.step for m in history) == list(range(1, 9))
+        accuracy = client.get_metric_history(run.info.run_id, "metrics/eval/MulticlassAccuracy")
+        assert sorted(m.step for m in accuracy) == [4, 8]
+        aux = client.get_metric_history(run.info.run_id, "aux")  # renamed; unchanged, so sent once
+        assert [(m.step, m.value) for m in aux] == [(1, 0.5)]
+        assert "lr-SGD/group0" in run.data.metrics
+
+
+def test_a_wandb_offline_run_holds_the_loss_eval_metrics_images_and_config(tmp_path):
+    wandb_dir = tmp_path / "wandb-runs"
+    wandb_dir.mkdir()
+    logger = WandBLogger(project="offloop-tests", tags=["ci"], init_kwargs={"mode": "offline", "dir": str(wandb_dir)})
+    with _trainer(tmp_path, [logger], [LogsImages()]) as trainer:
+        trainer.fit()
+    [run_file] = list(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    records = wandb_records(run_file)
+    [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.display_name == "logged" and run.project == "offloop-tests" and list(run.tags) == ["ci"]
+    config = {}
+    for record in records:
+        if record.WhichOneof("record_type") in ("run", "config"):
+            items = record.run.config.update if record.WhichOneof("record_type") == "run" else record.config.update
+            config.update({item.key: json.loads(item.value_json) for item in items})
+    assert config["lr"] == 0.1 and config["width"] == 8
+    history = wandb_history(records)
+    losses = [row["_step"] for row in history if "loss/train/total" in row]
+    assert losses == list(range(1, 9))
+    assert [row["_step"] for row in history if "metrics/eval/MulticlassAccuracy" in row] == [4, 8]
+    [images] = [row for row in history if "samples/_type" in row]  # log_images' media, at fit_end
+    assert (images["_step"], images["samples/count"], images["samples/width"]) == (8, 2, 8)
+    assert all((run_file.parent / "files" / name).is_file() for name in images["samples/filenames"])
+    [exit_record] = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
+    assert exit_record.exit_code == 0
+
+
+class LogsImages(Callback):
+    def fit_end(self, state, logger) -> None:
+        logger.log_images(torch.rand(2, 3, 8, 8), name="samples")
+
+
+class Breaks(LoggerDestination):
+    def log_metrics(self, metrics, step) -> None:
+        raise OSError("disk full")
+
+
+def test_a_destination_that_raises_is_left_out_and_the_others_get_everything(tmp_path, capfd):
+    lines = tmp_path / "log.jsonl"
+    with _trainer(tmp_path, [Breaks(), FileLogger(str(lines))]) as trainer:
+        trainer.fit()
+    steps = [r["step"] for r in map(json.loads, lines.read_text().splitlines()) if "loss/train/total" in r]
+    assert steps == list(range(1, 9))
+    err = capfd.readouterr().err
+    assert err.count("offloop logger: Breaks.log_metrics raised OSError('disk full')") == 1
+
+
+def test_tensorboard_gets_images_from_log_images(tmp_path):
+    log_dir = tmp_path / "tb"
+    with _trainer(tmp_path, [TensorboardLogger(log_dir=str(log_dir))], [LogsImages()]) as trainer:
+        trainer.fit()
+    events = EventAccumulator(str(log_dir / "logged"), size_guidance={"images": 0})
+    events.Reload()
+    assert set(events.Tags()["images"]) == {"samples/0", "samples/1"}
+    [image] = events.Images("samples/0")
+    assert (image.step, image.width, image.height) == (8, 8, 8)
+
+
+@pytest.mark.parametrize("module, build", [("mlflow", lambda: MLFlowLogger()), ("wandb", lambda: WandBLogger()),
+                                           ("tensorboard", lambda: TensorboardLogger())])
+def test_a_missing_extra_is_named_when_the_logger_is_built(monkeypatch, module, build):
+    monkeypatch.setitem(sys.modules, module, None)  # how Python marks a module as not importable
+    with pytest.raises(MissingExtraError, match=rf"needs {module}, which is not installed: "
+                                                rf"pip install 'offloop\[{module}\]'"):
+        build()

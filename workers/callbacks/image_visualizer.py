@@ -162,7 +162,9 @@ class ImageVisualizer(Callback):
         text = {"Title": f"{key} {state.run_name} epoch {ts.epoch} batch {ts.batch}",
                 "Comment": json.dumps({"key": key, "epoch": ts.epoch, "batch": ts.batch,
                                        "images": captions})}
-        write_png(path, _grid(tiles), text)
+        grid = _grid(tiles)
+        write_png(path, grid, text)
+        logger.log_images(grid, name=key, channels_last=True)  # to TensorBoard, MLflow, wandb
         self.images.append({"key": key, "path": str(path), "epoch": ts.epoch, "batch": ts.batch})
         logger.log_text(f"ImageVisualizer: {key} -> {path}")
 

@@ -23,10 +23,7 @@ class TrainerMetrics(Callback):
         if self._started:
             return
         self._started = True
-        for destination in logger.destinations:
-            init = getattr(destination, "init", None)
-            if init is not None:
-                init(state, logger)
+        logger.init(state)
 
     def init(self, state, logger) -> None:
         self._start(state, logger)
