@@ -278,16 +278,34 @@ class Logger:
 
     A destination that raises (a tracking server gone, a full disk) is reported once on
     stderr and left out from then on, counted in `failed`: the other destinations and the
-    callbacks that log go on."""
+    callbacks that log go on.
 
-    def __init__(self, state, destinations: list[LoggerDestination] | None = None) -> None:
+    With `coalesce=True` (what a worker uses) the metrics of one step, from every callback
+    that logs them, reach each destination as one call when the worker has handled the
+    event (`commit()`): one `run.log` a step for wandb, not one per callback. A name
+    logged again at the same step, or anything else logged, first commits what is
+    pending: every value arrives, and destinations see steps in order."""
+
+    def __init__(self, state, destinations: list[LoggerDestination] | None = None,
+                 coalesce: bool = False) -> None:
         self._state = state
         self.destinations = list(destinations if destinations is not None else [ConsoleLogger()])
         #: destinations left out after raising, by class name: how many calls each missed
         self.failed: dict[str, int] = {}
         self._broken: set[int] = set()
+        self._coalesce = coalesce
+        self._pending: dict[int, dict[str, Any]] = {}
+
+    def commit(self) -> None:
+        """Send the metrics pending from coalesced log_metrics() calls, step by step."""
+        if self._pending:
+            pending, self._pending = self._pending, {}
+            for step, metrics in pending.items():
+                self._each("log_metrics", metrics, step)
 
     def _each(self, method: str, *args: Any) -> None:
+        if self._pending and method != "log_metrics":
+            self.commit()
         for index, dest in enumerate(self.destinations):
             name = type(dest).__name__
             if index in self._broken:
@@ -306,7 +324,16 @@ class Logger:
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         step = self._state.timestamp.batch if step is None else step
-        self._each("log_metrics", dict(metrics), step)
+        if self._coalesce:
+            pending = self._pending.get(step)
+            if pending is not None and not pending.keys().isdisjoint(metrics):
+                self.commit()  # a name logged twice at one step: each value is kept, in order
+                pending = None
+            if pending is None:
+                pending = self._pending[step] = {}
+            pending.update(metrics)
+        else:
+            self._each("log_metrics", dict(metrics), step)
 
     def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
         self._each("log_hyperparameters", dict(hparams))

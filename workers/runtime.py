@@ -84,7 +84,7 @@ class Worker:
         self.heartbeat_timeout, self.join_timeout = heartbeat_timeout, join_timeout
         self.name = name or "+".join(type(c).__name__ for c in self.callbacks) or "worker"
         self.state = State()
-        self.logger = Logger(self.state, destinations)
+        self.logger = Logger(self.state, destinations, coalesce=True)
         self.stats = WorkerStats()
         self.disabled: set[int] = set()
         self.exit_message = ""
@@ -211,6 +211,7 @@ class Worker:
                 self._failed(index, callback, topic)
             finally:
                 spent[topic] = spent.get(topic, 0.0) + clock() - start
+        self.logger.commit()  # this event's metrics, one call per step to each destination
         if awaited is not None:
             state._set(decision_awaited=False)
             if self._on_answer is not None:

@@ -8,7 +8,10 @@ import json
 import pytest
 from harness import run_with_worker
 
-from offloop.workers import ConsoleLogger, JSONLLogger, TensorBoardLogger
+from offloop.bus import Message
+from offloop.bus.discovery import RunInfo
+from offloop.workers import Callback, ConsoleLogger, JSONLLogger, LoggerDestination, TensorBoardLogger
+from offloop.workers.runtime import Worker
 from offloop.workers.callbacks import LRMonitor
 
 BATCHES_PER_EPOCH = 8  # the harness trains on 64 samples in batches of 8
@@ -38,3 +41,39 @@ def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path):
     scalars = events.Scalars("lr-SGD/group0")
     assert [s.step for s in scalars] == list(range(1, BATCHES_PER_EPOCH + 1))
     assert all(s.value == pytest.approx(0.1) for s in scalars)
+
+
+class Logs(Callback):
+    def __init__(self, *calls) -> None:
+        self.calls = calls
+
+    def batch_end(self, state, logger) -> None:
+        for call in self.calls:
+            if isinstance(call, str):
+                logger.log_text(call)
+            else:
+                logger.log_metrics(call)
+
+
+class Calls(LoggerDestination):
+    def __init__(self) -> None:
+        self.calls = []
+
+    def log_metrics(self, metrics, step) -> None:
+        self.calls.append((step, dict(metrics)))
+
+    def log_text(self, text) -> None:
+        self.calls.append(text)
+
+
+def test_a_steps_metrics_reach_a_destination_in_one_call_and_none_is_lost():
+    calls = Calls()
+    worker = Worker(RunInfo("r", "r", 0, 0.0, {"events": "tcp://127.0.0.1:1"}),
+                    [Logs({"a": 1}, {"b": 2}), Logs({"a": 3}, "note", {"c": 4})], destinations=[calls])
+    for seq, batch in enumerate((1, 2)):
+        worker.dispatch(Message("batch_end", "ev", "r", "p", 0, seq, seq, 1.0, (0, batch, batch, 8, 0), {}))
+    assert calls.calls == [
+        (1, {"a": 1, "b": 2}),  # two calls of one step: one
+        (1, {"a": 3}), "note", (1, {"c": 4}),  # "a" again: sent apart; text keeps its place
+        (2, {"a": 1, "b": 2}), (2, {"a": 3}), "note", (2, {"c": 4}),
+    ]
