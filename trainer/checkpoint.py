@@ -8,6 +8,7 @@ epoch's iterator was created from, and how many batches of the epoch are done).
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import random
 import tempfile
@@ -23,6 +24,8 @@ from offloop.trainer.errors import CheckpointError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state", "seed_everything", "FORMAT",
            "Parts", "Checkpointer", "epoch_iterator", "requested_name", "check_filename"]
+
+log = logging.getLogger("offloop.trainer")
 
 FORMAT = "offloop-checkpoint-1"
 
@@ -144,8 +147,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 class Parts:
     """What a checkpoint saves and restores of a training run (the model unwrapped from DDP)."""
 
-    def __init__(self, model: torch.nn.Module, optimizers: list, schedulers: list, scaler: Any) -> None:
+    def __init__(self, model: torch.nn.Module, optimizers: list, schedulers: list, scaler: Any,
+                 algorithms: Sequence = ()) -> None:
         self.model, self.optimizers, self.schedulers, self.scaler = model, optimizers, schedulers, scaler
+        self.algorithms = list(algorithms)  # each one's state_dict() travels with the checkpoint
 
 
 class Checkpointer:
@@ -180,6 +185,7 @@ class Checkpointer:
                 "optimizers": [o.state_dict() for o in parts.optimizers],
                 "schedulers": [s.state_dict() for s in parts.schedulers],
                 "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+                "algorithms": [a.state_dict() if hasattr(a, "state_dict") else {} for a in parts.algorithms],
                 "timestamp": ts.state_dict(),
                 "rng": [state[2] for state in states],  # every rank's, by rank
                 "epoch_rng": [state[3] for state in states],
@@ -217,9 +223,26 @@ class Checkpointer:
             sched.load_state_dict(sched_state)
         if parts.scaler is not None and state.get("scaler"):
             parts.scaler.load_state_dict(state["scaler"])
+        _restore_algorithms(parts.algorithms, state.get("algorithms") or [], path)
         rank = min(self.rank, len(state["rng"]) - 1)
         set_rng_state(state["rng"][rank])
         return Timestamp.from_state_dict(state["timestamp"]), state["epoch_rng"][rank]
+
+
+def _restore_algorithms(algorithms: list, states: list, path: str | os.PathLike) -> None:
+    """Each algorithm's state, in order. A checkpoint written without algorithms starts
+    them afresh (an EMA added on resume averages from the loaded weights)."""
+    if not states:
+        if algorithms:
+            log.warning("offloop: checkpoint %s holds no algorithm state: %s start afresh", path,
+                        ", ".join(type(a).__name__ for a in algorithms))
+        return
+    if len(states) != len(algorithms):
+        raise CheckpointError(f"checkpoint {str(path)!r} holds the state of {len(states)} algorithms, this "
+                              f"trainer has {len(algorithms)}: pass the same algorithms, in the same order")
+    for algorithm, algorithm_state in zip(algorithms, states, strict=True):
+        if hasattr(algorithm, "load_state_dict"):
+            algorithm.load_state_dict(algorithm_state)
 
 
 def requested_name(requests: Sequence[ControlRequest]) -> tuple[str, str | None]:

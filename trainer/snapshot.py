@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import torch
@@ -39,7 +39,8 @@ class Emitter:
         self.publisher = publisher
         self.cuda = device.type == "cuda"
         self._waiting: deque[tuple[str, tuple, dict, Any]] = deque()
-        self.wants = publisher.wants if publisher is not None else frozenset().__contains__
+        # the loop builds a snapshot only where `wants(topic)`; `_published` is what the publisher takes
+        self.wants = self._published = publisher.wants if publisher is not None else frozenset().__contains__
         self._refused = 0  # publish() raised (a reserved topic, or nothing held)
         if publisher is None:
             self.emit = self.snapshot = _nothing
@@ -53,6 +54,28 @@ class Emitter:
             # holding, publish() never raises for the trainer's topics: a value the wire
             # cannot carry is counted when the burst is encoded
             self.emit = self.snapshot = publisher.publish
+
+    def run_first(self, run: Callable[[str, dict | None], Any], topics: Container[str]) -> None:
+        """Call `run(topic, data)` at each event before it is published: the algorithms
+        (trainer/algorithms/). The loop then builds the snapshot of every event in `topics`
+        (they run whether or not a worker wants it), and only the publisher's topics leave."""
+        emit, snapshot, emit_tensors, published = self.emit, self.snapshot, self.emit_tensors, self._published
+
+        def emit_after(topic: str, ts: tuple, data: dict | None = None) -> None:
+            run(topic, data)
+            emit(topic, ts, data)
+
+        def snapshot_after(topic: str, ts: tuple, data: dict) -> None:
+            run(topic, data)
+            if published(topic):
+                snapshot(topic, ts, data)
+
+        def tensors_after(topic: str, ts: tuple, data: dict) -> None:
+            run(topic, data)
+            emit_tensors(topic, ts, data)
+
+        self.emit, self.snapshot, self.emit_tensors = emit_after, snapshot_after, tensors_after
+        self.wants = lambda topic: topic in topics or published(topic)
 
     @property
     def unencodable(self) -> int:
@@ -68,7 +91,7 @@ class Emitter:
 
     def _emit_in_order(self, topic: str, ts: tuple, data: dict | None = None) -> None:
         """`emit` on CUDA: plain values, published behind any snapshot still staged."""
-        if not self.wants(topic):
+        if not self._published(topic):
             return
         if self._waiting:
             self._waiting.append((topic, ts, data or {}, None))  # behind staged snapshots
@@ -98,7 +121,7 @@ class Emitter:
     def emit_tensors(self, topic: str, ts: tuple, data: dict) -> None:
         """Publish a snapshot holding tensors: now on the CPU (0-d ones as numbers), or
         once its tensors have left the GPU."""
-        if not self.wants(topic):
+        if not self._published(topic):
             return
         if self.cuda:
             self._emit_staged(topic, ts, data)

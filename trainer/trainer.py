@@ -19,6 +19,7 @@ from torch import nn
 
 from offloop.bus import GRAD_NORMS, Publisher, Time, Timestamp, TimeUnit, Topic
 from offloop.trainer import arguments, batches, checkpoint, distributed
+from offloop.trainer.algorithms.engine import EVENT_TOPICS, Engine, LoopState, check_algorithms
 from offloop.trainer.control import Control
 from offloop.trainer.decisions import Decisions
 from offloop.trainer.errors import ConfigError, TrainerError
@@ -53,6 +54,7 @@ class Trainer:
         loss_fn: Callable | None = None,
         callbacks: list | None = None,
         loggers: list | None = None,
+        algorithms: list | None = None,
         run_name: str | None = None,
         run_dir: str | os.PathLike | None = None,
         device: str | torch.device = "auto",
@@ -86,6 +88,7 @@ class Trainer:
         self.max_duration = arguments.parse_duration("max_duration", max_duration) if max_duration else None
         arguments.check_model(model, loss_fn, self.max_duration, num_tokens_fn)
         arguments.check_run(callbacks, publish, load_path, loggers)
+        self.algorithms = check_algorithms(algorithms)
 
         self.rank = distributed.rank() if distributed.init_from_env() else 0
         self.world_size = distributed.world_size()
@@ -131,6 +134,10 @@ class Trainer:
         self._readings = StepReadings(self.device, self.optimizers, self.emitter.host,
                                       per_param_grad_norms=per_param_grad_norms, publish_samples=publish_samples,
                                       flops_fn=getattr(self._bare_model, "flops_per_batch", None))
+        engine = Engine(self.algorithms, LoopState(self), self._readings.user_metrics)
+        if self.algorithms:  # in the loop on purpose: each runs before its events are published
+            self.emitter.run_first(engine.run, EVENT_TOPICS)
+        self.algorithm_seconds = engine.spent  # each algorithm's time on the training thread
         self.worker_shutdown_timeout = worker_shutdown_timeout
         try:
             self._start(load_path)
@@ -158,7 +165,8 @@ class Trainer:
         self._micro_data = tuple({"microbatch": i} for i in range(grad_accum))
         # fp16 gradients underflow without loss scaling (bf16 has fp32's range: none needed)
         self._scaler = torch.amp.GradScaler(self.device.type) if precision == "amp_fp16" else None
-        self._parts = checkpoint.Parts(self._bare_model, self.optimizers, self.schedulers, self._scaler)
+        self._parts = checkpoint.Parts(self._bare_model, self.optimizers, self.schedulers, self._scaler,
+                                       self.algorithms)
         self._grads: GradBuffer | None = None  # adopted after each fit's first backward
         self._adopt_grads = False
         self._epoch_rng: dict | None = None  # the RNG state this epoch's data order is drawn from

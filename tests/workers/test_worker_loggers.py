@@ -10,9 +10,15 @@ from harness import run_with_worker
 
 from offloop.bus import Message
 from offloop.bus.discovery import RunInfo
-from offloop.workers import Callback, ConsoleLogger, JSONLLogger, LoggerDestination, TensorBoardLogger
-from offloop.workers.runtime import Worker
+from offloop.workers import (
+    Callback,
+    ConsoleLogger,
+    JSONLLogger,
+    LoggerDestination,
+    TensorBoardLogger,
+)
 from offloop.workers.callbacks import LRMonitor
+from offloop.workers.runtime import Worker
 
 BATCHES_PER_EPOCH = 8  # the harness trains on 64 samples in batches of 8
 
