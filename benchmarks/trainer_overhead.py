@@ -16,6 +16,9 @@ interval, queue bounds, worker niceness) unless its case name says otherwise:
       (numpy) at every batch_end, at the default niceness and at 0    -> heavy_cpu, heavy_cpu_nice0
   (f) (d)'s 4 callbacks called in-process by the hand-written loop    -> inprocess_heavy
   (a), (b), (c) again with the large MLP -> plain_large, bus_off_large, bus_on_large
+  (g) the large MLP clipping the gradient norm and averaging the weights every step: by
+      hand in (a)'s loop, and as (c) with GradientClipping and EMA (the algorithms,
+      run in the training process)                 -> plain_algorithms_large, algorithms_large
 
 A step is the interval between two fetches of a batch: every case iterates the same
 `Blocks` loader, which reads perf_counter_ns each time the next batch is asked for, so
@@ -65,6 +68,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from offloop.algorithms import EMA, GradientClipping
 from offloop.trainer import Trainer
 from offloop.workers.callback import Callback
 
@@ -74,6 +78,7 @@ SIZES = {"tiny": ((64, 64, 10), 32), "large": ((784, 512, 512, 10), 64)}
 HEAVY_SLEEP = 0.05  # seconds each sleeping callback spends per batch_end
 HEAVY_WORKERS = 4
 HEAVY_CPU = 0.02  # seconds of CPU the CPU-bound callback spends per batch_end
+CLIP_NORM, EMA_SMOOTHING = 1.0, 0.99  # (g): GradientClipping('norm', 1.0) and EMA(smoothing=0.99)
 
 
 class EveryEvent(Callback):
@@ -180,21 +185,30 @@ def summarize(case: str, blocks: list[list[float]], **extra) -> dict:
 
 
 class PlainLoop:
-    """(a) and (f): the hand-written loop, calling each callback's batch_end in-process."""
+    """(a) and (f): the hand-written loop, calling each callback's batch_end in-process;
+    with `algorithms`, clipping the gradient norm and averaging the weights by hand (g)."""
 
-    def __init__(self, size: str, batches: list, callbacks: list | None = None) -> None:
+    def __init__(self, size: str, batches: list, callbacks: list | None = None, algorithms: bool = False) -> None:
         self.model, self.opt = make_model(size)
         self.model.train()
         self.loader = Blocks(batches)
         self.callbacks = callbacks or []
+        self.average = [p.detach().clone() for p in self.model.parameters()] if algorithms else None
 
     def run(self, steps: int, warmup: int) -> list[float]:
-        model, opt, callbacks = self.model, self.opt, self.callbacks
+        model, opt, callbacks, average = self.model, self.opt, self.callbacks, self.average
+        params = list(model.parameters())
         for x, y in self.loader.block(steps):
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
+            if average is not None:
+                torch.nn.utils.clip_grad_norm_(params, CLIP_NORM)
             opt.step()
+            if average is not None:
+                with torch.no_grad():
+                    for a, p in zip(average, params, strict=True):
+                        a.mul_(EMA_SMOOTHING).add_(p, alpha=1 - EMA_SMOOTHING)
             for callback in callbacks:
                 callback.work()
         return self.loader.last_block_us(warmup)
@@ -251,6 +265,9 @@ class TrainerLoop:
         finally:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         info = {"publisher_drops": drops}
+        if trainer.algorithm_seconds:  # each algorithm's own time a step (warm-up steps included)
+            info["algorithm_us_per_step"] = {name: round(seconds * 1e6 / self.trained, 1)
+                                             for name, seconds in trainer.algorithm_seconds.items()}
         if any(reports):  # a worker's own count, sent with its last fit_end acknowledgement
             info["worker_events"] = sum(r.get("events", 0) for r in reports)
             info["worker_gaps"] = sum(r.get("gaps", 0) for r in reports)
@@ -310,6 +327,9 @@ def main() -> None:
         "plain_large": PlainLoop("large", large),
         "bus_off_large": TrainerLoop("large", large, [], publish=False),
         "bus_on_large": TrainerLoop("large", large, [EveryEvent()], publish=True),
+        "plain_algorithms_large": PlainLoop("large", large, algorithms=True),
+        "algorithms_large": TrainerLoop("large", large, [EveryEvent()], publish=True, algorithms=[
+            GradientClipping("norm", CLIP_NORM), EMA(half_life=None, smoothing=EMA_SMOOTHING)]),
     }
     blocks: dict[str, list[list[float]]] = {case: [] for case in loops}
     for b in range(args.blocks + 1):  # block 0 of each case warms it up and is not kept
@@ -358,6 +378,7 @@ RATIOS = {
     "heavy_cpu_nice0": ("heavy_cpu_nice0", "bus_on"),
     "bus_off_large": ("bus_off_large", "plain_large"),
     "bus_on_large": ("bus_on_large", "plain_large"),
+    "algorithms_large": ("algorithms_large", "plain_algorithms_large"),
 }
 #: the issue's targets, each on the ratio of means (what a user pays)
 TARGETS = {"ratio_bus_on_mean": 1.15, "ratio_bus_on_large_mean": 1.03, "ratio_heavy_sleep_mean": 1.05}

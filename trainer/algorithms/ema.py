@@ -148,6 +148,7 @@ class EMAParameters:
     def __init__(self, model: torch.nn.Module | None) -> None:
         self.parameters: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
+        self._pairs: tuple | None = None
         if model is not None:
             with torch.no_grad():
                 self.parameters = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -156,19 +157,27 @@ class EMAParameters:
     def load(self, parameters: dict, buffers: dict) -> None:
         self.parameters = {name: t.clone() for name, t in parameters.items()}
         self.buffers = {name: t.clone() for name, t in buffers.items()}
+        self._pairs = None
 
-    def _pairs(self, model: torch.nn.Module):
-        for name, tensor in model.named_parameters():
-            if name in self.parameters:
-                yield tensor, self.parameters[name]
-        for name, tensor in model.named_buffers():
-            if name in self.buffers:
-                yield tensor, self.buffers[name]
+    def pairs(self, model: torch.nn.Module) -> tuple[list, list]:
+        """([(live, average)] of floating-point tensors, [the others]), matched by name;
+        kept until the averages or the model's tensors change."""
+        key = (id(model), tuple(id(t) for t in model.parameters()))
+        if self._pairs is None or self._pairs[0] != key:
+            matched = [(tensor, self.parameters[name]) for name, tensor in model.named_parameters()
+                       if name in self.parameters]
+            matched += [(tensor, self.buffers[name]) for name, tensor in model.named_buffers() if name in self.buffers]
+            floats, others = [], []
+            for live, avg in matched:
+                (floats if avg.is_floating_point() and avg.device == live.device else others).append((live, avg))
+            self._pairs = (key, floats, others)
+        return self._pairs[1], self._pairs[2]
 
     def swap(self, model: torch.nn.Module) -> None:
         """Exchange the model's weights with the average, in place."""
+        floats, others = self.pairs(model)
         with torch.no_grad():
-            for live, average in self._pairs(model):
+            for live, average in floats + others:
                 held = live.detach().clone()
                 live.copy_(average)
                 average.copy_(held)
@@ -180,14 +189,17 @@ class EMAParameters:
             for name, tensor in store.items():
                 if tensor.device != device:
                     store[name] = tensor.to(device)
+                    self._pairs = None
 
 
 def compute_ema(model: torch.nn.Module, ema_model: EMAParameters, smoothing: float = 0.99) -> None:
     """average = smoothing * average + (1 - smoothing) * weights, in place (Composer's):
-    every parameter, and the floating-point buffers (batch norm's running statistics)."""
+    every parameter, and the floating-point buffers (batch norm's running statistics);
+    other buffers (counters) are copied. One multi-tensor lerp for all of them."""
     with torch.no_grad():
-        for live, average in ema_model._pairs(model):
-            if average.is_floating_point():
-                average.mul_(smoothing).add_(live.detach(), alpha=1 - smoothing)
-            else:
-                average.copy_(live)
+        floats, others = ema_model.pairs(model)
+        if floats:
+            # lerp: average + (1 - smoothing) * (weights - average), one pass over each tensor
+            torch._foreach_lerp_([average for _, average in floats], [live for live, _ in floats], 1 - smoothing)
+        for live, average in others:
+            average.copy_(live)

@@ -7,7 +7,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from offloop.bus import Event, Time, TimeUnit
+from offloop.bus import Event, Time, Timestamp, TimeUnit
+from offloop.bus.timestamp import FIELDS
 from offloop.trainer.errors import ConfigError
 
 __all__ = ["Algorithm", "AlgorithmLogger", "Engine", "LoopState", "EVENT_TOPICS"]
@@ -43,6 +44,7 @@ class LoopState:
     def __init__(self, trainer) -> None:
         self._trainer = trainer
         self.dataloader_label: str | None = None
+        self._counted: tuple = (None, None)  # (the trainer's Timestamp, its counted copy)
 
     @property
     def model(self):
@@ -57,8 +59,12 @@ class LoopState:
         return self._trainer.schedulers
 
     @property
-    def timestamp(self):
-        return self._trainer.timestamp
+    def timestamp(self) -> Timestamp:
+        """The trainer's Timestamp, its counters as Composer's Time (`.value`, `.unit`)."""
+        live = self._trainer.timestamp
+        if self._counted[0] is not live:
+            self._counted = (live, Timestamp.counted(*(getattr(live, name) for name in FIELDS)))
+        return self._counted[1]
 
     @property
     def max_duration(self) -> Time | None:
