@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from offloop.bus.duration import COUNTS, TimeUnit
 from offloop.bus.errors import ReadOnlyError
 
 __all__ = ["Timestamp", "FIELDS"]
@@ -17,6 +18,12 @@ FIELDS = ("epoch", "batch", "batch_in_epoch", "sample", "token",
           "sample_in_epoch", "token_in_epoch", "epoch_in_iteration", "iteration")
 
 _new = object.__new__
+
+#: each counter's unit, for Timestamp.counted (the iteration counters have none)
+_COUNT_OF = {"epoch": COUNTS[TimeUnit.EPOCH], "batch": COUNTS[TimeUnit.BATCH],
+             "batch_in_epoch": COUNTS[TimeUnit.BATCH], "sample": COUNTS[TimeUnit.SAMPLE],
+             "token": COUNTS[TimeUnit.TOKEN], "sample_in_epoch": COUNTS[TimeUnit.SAMPLE],
+             "token_in_epoch": COUNTS[TimeUnit.TOKEN], "epoch_in_iteration": COUNTS[TimeUnit.EPOCH]}
 
 
 class Timestamp:
@@ -49,6 +56,15 @@ class Timestamp:
                              token=token, sample_in_epoch=sample_in_epoch, token_in_epoch=token_in_epoch,
                              epoch_in_iteration=epoch_in_iteration, iteration=iteration,
                              _wire=(epoch, batch, batch_in_epoch, sample, token))
+
+    @classmethod
+    def counted(cls, *counters: int) -> Timestamp:
+        """A Timestamp whose counters read as Composer's Time (`ts.epoch.value`,
+        `ts.batch >= '100ba'`; bus.duration.Count), ints all the same: what callbacks and
+        algorithms see. The trainer's own stay plain ints (built every step)."""
+        values = dict(zip(FIELDS, counters, strict=False))
+        return cls(**{name: _COUNT_OF[name](values.get(name, 0)) if name in _COUNT_OF else values.get(name, 0)
+                      for name in FIELDS})
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise ReadOnlyError(f"cannot set timestamp.{name}: a Timestamp is read-only (the trainer "

@@ -114,7 +114,7 @@ class State:
         values = self.__dict__
         if msg.ts != values["_ts"]:  # a step's events share one timestamp: built once
             values["_ts"] = msg.ts
-            values["timestamp"] = Timestamp(*msg.ts)
+            values["timestamp"] = Timestamp.counted(*msg.ts)
         values["event"], values["rank"], values["wall_time"], values["data"] = event, msg.rank, msg.t, data
         if "config" in data and isinstance(data["config"], dict):
             self._apply_config(data["config"])
@@ -144,6 +144,13 @@ class State:
     def _eval_batch_end(self, data: dict) -> None:
         self._set(outputs=data.get("outputs"), targets=data.get("targets"),
                   dataloader_label=data.get("dataloader_label"))
+
+    def get_elapsed_duration(self) -> float | None:
+        """The fraction of max_duration trained, in its unit (Composer's; None without one)."""
+        duration = self.max_duration
+        if duration is None or duration.value == 0:
+            return None
+        return self.timestamp.get(duration.unit) / duration.value
 
     def __repr__(self) -> str:
         return (f"State(run_name={self.run_name!r}, event={self.event}, timestamp={self.timestamp}, "
