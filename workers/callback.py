@@ -53,6 +53,15 @@ class Callback:
         self.process_group = name if name is not None else f"{type(self).__name__}@{id(self):x}"
         return self
 
+    def state_dict(self) -> dict[str, Any]:
+        """What this callback must remember across a resume (Composer's): saved, as JSON,
+        beside every checkpoint the trainer writes, and given to load_state_dict() when a
+        Trainer resumes from that checkpoint (workers/callback_state.py). {} by default."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict() returned, before `after_load` reaches this callback."""
+
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         """Called by the worker on each event; dispatches to the method named by the event
         (also for `checkpoint_saved`, the trainer's announcement of a written checkpoint)."""

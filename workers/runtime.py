@@ -29,6 +29,7 @@ from offloop.bus import (
     find_run,
 )
 from offloop.bus.security import client_keys_for, endpoint_keys
+from offloop.workers import callback_state
 from offloop.workers.callback import Callback
 from offloop.workers.logger import Logger, LoggerDestination
 from offloop.workers.state import State
@@ -98,6 +99,9 @@ class Worker:
         self._gaps_by_topic: dict[str, int] = {}
         # callbacks that keep the raw wire frames of every event (the Recorder)
         self._recorders = [c for c in self.callbacks if getattr(c, "records_messages", False)]
+        # callbacks whose state_dict() is kept beside each checkpoint (a worker the trainer started)
+        self._stateful = index is not None and callback_state.stateful(self.callbacks)
+        self._state_warned: set[str] = set()
         # what dispatch() needs of each callback, looked up once: (index, callback, the
         # topics it handles or None for all, its time counters)
         self._dispatch = [(index, callback, _wanted(callback), self.stats.seconds[key])
@@ -111,6 +115,8 @@ class Worker:
             if topics is None:
                 return None
             wanted |= topics | _decision_topics(callback)
+        if self._stateful:
+            wanted |= {"after_load", "checkpoint_saved"}
         return frozenset(wanted)
 
     def connect(self) -> None:
@@ -198,6 +204,8 @@ class Worker:
         state._set(events_received=stats.events)
         for callback in self._recorders:
             callback.record(msg)
+        if self._stateful and topic == "after_load" and msg.data.get("path"):
+            callback_state.load_states(msg.data["path"], self.index, self.callbacks)  # before after_load runs
         clock, disabled = time.perf_counter, self.disabled
         for index, callback, wanted, spent in self._dispatch:
             if wanted is not None and topic not in wanted or index in disabled:
@@ -211,6 +219,11 @@ class Worker:
                 self._failed(index, callback, topic)
             finally:
                 spent[topic] = spent.get(topic, 0.0) + clock() - start
+        if self._stateful and topic == "checkpoint_saved" and msg.data.get("path"):
+            path = msg.data["path"]
+            for callback in self.callbacks:  # a CheckpointSaver with a folder of its own has moved it
+                path = getattr(callback, "moved_checkpoints", {}).get(path, path)
+            callback_state.save_states(path, self.index, self.callbacks, self._state_warned)
         self.logger.commit()  # this event's metrics, one call per step to each destination
         if awaited is not None:
             state._set(decision_awaited=False)

@@ -8,6 +8,7 @@ newest, all on the worker's side.
 
 from __future__ import annotations
 
+import glob
 import os
 import queue
 import shutil
@@ -130,6 +131,9 @@ class CheckpointSaver(Callback):
         self.tag = str(tag)
         #: paths of the checkpoints kept, oldest first (at most num_checkpoints_to_keep)
         self.saved_checkpoints: list[str] = []
+        #: where the trainer wrote a checkpoint -> where `folder` moved it (the worker keeps
+        #: the callbacks' state beside it there: workers/callback_state.py)
+        self.moved_checkpoints: dict[str, str] = {}
         #: every save this saver asked for, in order, with the trainer's answer
         self.saves: list[Save] = []
         self.last_checkpoint_batch: int | None = None
@@ -267,7 +271,11 @@ class CheckpointSaver(Callback):
             folder = Path(self.folder.format(run_name=self._run_name, rank=self._rank))
             if path.parent.resolve() != folder.resolve():
                 folder.mkdir(parents=True, exist_ok=True)
-                path = Path(shutil.move(str(path), str(folder / path.name)))
+                written = str(path)
+                path = Path(shutil.move(written, str(folder / path.name)))
+                self.moved_checkpoints[written] = str(path)
+                for state in Path(written).parent.glob(f"{glob.escape(path.name)}.callbacks-*.json"):
+                    shutil.move(str(state), str(folder / state.name))  # callbacks' state goes with it
         save.path = str(path)
         with self._lock:
             if save.path in self.saved_checkpoints:
@@ -278,6 +286,8 @@ class CheckpointSaver(Callback):
                 doomed.append(self.saved_checkpoints.pop(0))
         for old in doomed:
             Path(old).unlink(missing_ok=True)
+            for state in Path(old).parent.glob(f"{glob.escape(Path(old).name)}.callbacks-*.json"):
+                state.unlink(missing_ok=True)
         if self.latest_filename is not None and self.num_checkpoints_to_keep != 0:
             link = path.parent / self.latest_filename.format(run_name=self._run_name, rank=self._rank)
             _point(link, path)

@@ -208,6 +208,13 @@ class EarlyStopper(_Stopper):
         self.best: float | None = None
         self.best_occurred: Timestamp | None = None
 
+    def state_dict(self) -> dict[str, Any]:
+        """The best value and when it occurred: a resumed run waits out the same patience."""
+        return {"best": self.best, "best_occurred": self.best_occurred} if self.best is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.best_occurred = state.get("best"), state.get("best_occurred")
+
     def _update(self, state, logger) -> None:
         if self.halted_at is not None:
             return
