@@ -3,6 +3,7 @@ the argument, the value received and what would be valid (a ConfigError)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from contextlib import nullcontext
 from pathlib import Path
@@ -13,6 +14,8 @@ import torch
 from offloop.bus import Time, TimeUnit
 from offloop.bus.duration import DurationError
 from offloop.trainer.errors import CheckpointError, ConfigError
+
+log = logging.getLogger("offloop.trainer")
 
 __all__ = ["PRECISIONS", "autocast", "fit_duration", "check_settings", "check_model", "check_run", "parse_duration", "resolve_device", "as_list",
            "eval_loaders", "eval_intervals", "eval_metrics"]
@@ -164,3 +167,55 @@ def eval_intervals(value: Any, loaders: dict[str, Iterable]) -> dict[str, Time]:
                               "epochs or batches ('1ep', '100ba')")
         out[label] = interval
     return out
+
+
+def saving(save_folder: Any, folder: Path, filename: Any, latest_filename: Any, interval: Any, keep: Any,
+           autoresume: bool, run_name: str | None, load_path: Any, publish: bool) -> tuple[dict | None, Any]:
+    """Composer's save_* arguments and autoresume: (the CheckpointSaver's arguments or
+    None, the checkpoint to load); `folder` is where the trainer writes checkpoints."""
+    saver = checkpoint_saving(save_folder, filename, latest_filename, interval, keep, publish)
+    return saver, autoresume_path(autoresume, run_name, folder, latest_filename, load_path)
+
+
+def checkpoint_saving(save_folder: Any, filename: Any, latest_filename: Any, interval: Any, keep: Any,
+                      publish: bool) -> dict[str, Any] | None:
+    """Composer's save_* arguments: with a `save_folder` and a `save_interval`, the arguments
+    of the CheckpointSaver the shared worker runs (it asks at each interval; the trainer
+    writes into save_folder, keeps the newest `keep` and points `latest_filename` at the
+    newest); None without a save_folder, or with save_interval=None."""
+    if save_folder is None or interval is None:
+        return None
+    if not publish:
+        raise ConfigError("save_folder with a save_interval saves through a CheckpointSaver in a worker "
+                          "process and needs publish=True (or save_interval=None)")
+    if isinstance(interval, bool):
+        raise ConfigError(f"save_interval {interval!r} is not a duration")
+    every = Time(interval, TimeUnit.EPOCH) if isinstance(interval, int) else parse_duration("save_interval", interval)
+    if every.unit not in (TimeUnit.EPOCH, TimeUnit.BATCH) or every.value < 1:
+        raise ConfigError(f"save_interval {interval!r} must be a positive number of epochs or batches "
+                          "('1ep', '500ba', or an int of epochs)")
+    for name, value in (("save_filename", filename), ("save_latest_filename", latest_filename)):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{name} must be a str (a format string: {{epoch}}, {{batch}}, {{rank}}, ...), "
+                              f"got {value!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < -1:
+        raise ConfigError(f"save_num_checkpoints_to_keep must be an int >= -1 (-1 keeps all), got {keep!r}")
+    return {"filename": filename, "latest_filename": latest_filename, "save_interval": str(every),
+            "num_checkpoints_to_keep": keep}
+
+
+def autoresume_path(autoresume: bool, run_name: str | None, save_folder: Path, latest_filename: str | None,
+                    load_path: Any) -> Any:
+    """Composer's autoresume: the checkpoint `latest_filename` points at in the save folder,
+    if there is one (it wins over load_path); else load_path."""
+    if not autoresume:
+        return load_path
+    if not run_name:
+        raise ConfigError("autoresume=True needs a run_name: a resumed run finds its checkpoints by it")
+    if not latest_filename:
+        raise ConfigError("autoresume=True needs save_latest_filename: it finds the newest checkpoint by it")
+    latest = save_folder / latest_filename.format(run_name=run_name, rank=0)
+    if latest.exists():
+        log.info("offloop: autoresume from %s", latest.resolve())
+        return str(latest.resolve())
+    return load_path

@@ -30,11 +30,13 @@ log = logging.getLogger("offloop.trainer")
 def name_run(run_name: str | None, run_dir: str | os.PathLike | None,
              save_folder: str | os.PathLike | None) -> tuple[str, str, Path, Path]:
     """(run id, run name, run directory, checkpoint folder): the name defaults to the run
-    directory's, or to the time and id; the directory to $OFFLOOP_RUNS (runs/) / name."""
+    directory's, or to the time and id; the directory to $OFFLOOP_RUNS (runs/) / name; the
+    checkpoint folder's `{run_name}` is filled in (Composer's save_folder)."""
     run_id = uuid.uuid4().hex[:12]
     run_name = run_name or (Path(run_dir).name if run_dir else f"run-{time.strftime('%Y%m%d-%H%M%S')}-{run_id[:6]}")
     run_dir = Path(run_dir) if run_dir else Path(os.environ.get("OFFLOOP_RUNS", "runs")) / run_name
-    return run_id, run_name, run_dir, (Path(save_folder) if save_folder else run_dir / "checkpoints").absolute()
+    folder = Path(str(save_folder).replace("{run_name}", run_name)) if save_folder else run_dir / "checkpoints"
+    return run_id, run_name, run_dir, folder.absolute()
 
 
 def run_config(model: torch.nn.Module, *, run_name: str, run_id: str, seed: int, max_duration: Any,

@@ -61,7 +61,9 @@ class Trainer:
         precision: str = "fp32",
         grad_accum: int = 1,
         load_path: str | os.PathLike | None = None,
-        save_folder: str | os.PathLike | None = None,
+        save_folder: str | os.PathLike | None = None, save_filename: str | None = "ep{epoch}-ba{batch}-rank{rank}.pt",
+        save_latest_filename: str | None = "latest-rank{rank}.pt", save_interval: str | int | Time | None = "1ep",
+        save_num_checkpoints_to_keep: int = -1, autoresume: bool = False,
         seed: int | None = None,
         iteration_length: int | None = None,
         num_tokens_fn: Callable[[Any], int] | None = None,
@@ -104,6 +106,8 @@ class Trainer:
         self.contiguous_grads, self.publish_samples = contiguous_grads, publish_samples
         self.timestamp = Timestamp()
         self.run_id, self.run_name, self.run_dir, self.save_folder = name_run(run_name, run_dir, save_folder)
+        saver, load_path = arguments.saving(save_folder, self.save_folder, save_filename, save_latest_filename,
+                                            save_interval, save_num_checkpoints_to_keep, autoresume, run_name, load_path, publish)
         self.hparams = dict(hparams or {})
         self._checkpointer = checkpoint.Checkpointer(self._parts, self._agreement, self.save_folder,
                                                      rank=self.rank, seed=self.seed, run_name=self.run_name)
@@ -111,7 +115,7 @@ class Trainer:
         self.keys = Path(keys) if keys else None
         # a worker that hears no heartbeat for 10 intervals (3 s at least) takes the trainer
         # for dead; built (its callbacks serialized) before a socket or run.json exists
-        self.workers = CallbackWorkers(callbacks or [], str(self.run_dir), loggers=loggers,
+        self.workers = CallbackWorkers(callbacks or [], str(self.run_dir), loggers=loggers, saver=saver,
                                        keys=str(self.keys) if self.keys else None,
                                        heartbeat_timeout=max(3.0, 10 * heartbeat_interval), nice=worker_nice)
 

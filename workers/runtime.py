@@ -327,14 +327,19 @@ def _wanted(callback) -> frozenset[str] | None:
 
 def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: str | None = None,
                             heartbeat_timeout: float = 10.0, index: int | None = None,
-                            loggers: list | None = None) -> None:
+                            loggers: list | None = None, saver: dict | None = None) -> None:
     """Entry point of a worker process the Trainer started for some of its callbacks (they
     run in order, as in Composer's loop). The worker given the run's `loggers` logs what
-    Composer's Trainer logs itself (TrainerMetrics, first) and its callbacks log there too."""
+    Composer's Trainer logs itself (TrainerMetrics, first) and its callbacks log there too;
+    the one given `saver` (the Trainer's save_* arguments) runs that CheckpointSaver last."""
     if loggers:
         from offloop.workers.callbacks.trainer_metrics import TrainerMetrics
 
         callbacks = [TrainerMetrics(), *callbacks]
+    if saver:
+        from offloop.workers.callbacks.checkpoint_saver import CheckpointSaver
+
+        callbacks = [*callbacks, CheckpointSaver(**saver)]
     try:
         worker = Worker(run_dir, callbacks, exit_on_fit_end=False, heartbeat_timeout=heartbeat_timeout,
                         keys=keys, key_name="workers", index=index, destinations=loggers or None)
