@@ -26,6 +26,8 @@ _EXPORTS: dict[str, str] = {
     "TimeUnit": "offloop.bus",
     "Timestamp": "offloop.bus",
     "log_metrics": "offloop.trainer",
+    "ComposerModel": "offloop.models",
+    "ComposerClassifier": "offloop.models",
 }
 
 __all__ = sorted(_EXPORTS)

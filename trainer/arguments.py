@@ -131,9 +131,11 @@ def eval_loaders(value: Any) -> dict[str, Iterable]:
     return {"eval": value}
 
 
-def eval_metrics(value: Any, device: torch.device) -> dict[str, Any]:
+def eval_metrics(value: Any, device: torch.device, model: Any = None) -> dict[str, Any]:
     """torchmetrics Metrics by name (from a Metric, a list, a dict or a MetricCollection),
-    moved to `device`."""
+    moved to `device`; given none, a Composer-protocol `model`'s get_metrics(is_train=False)."""
+    if value is None and model is not None and callable(getattr(model, "get_metrics", None)):
+        value = model.get_metrics(is_train=False) or None
     if value is None:
         return {}
     if isinstance(value, Mapping):

@@ -101,9 +101,28 @@ def eval_forward(model: Any, bare: Any, loss_fn: Any, batch: Any) -> Any:
 
 
 def targets(bare: Any, loss_fn: Any, batch: Any) -> Any:
+    """A batch's targets; None for a Composer-protocol model's batch that is not a pair
+    (its update_metric knows where they are)."""
     if loss_fn is None and hasattr(bare, "get_targets"):
         return bare.get_targets(batch)
+    if loss_fn is None and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        return None
     return pair(batch)[1]
+
+
+def update_metrics(metrics: dict, bare: Any, loss_fn: Any, batch: Any, outputs: Any, expected: Any) -> None:
+    """Each eval metric updated with the batch: by the model's `update_metric` where it
+    follows Composer's protocol (no loss_fn) and has one, else with (outputs, targets)."""
+    update = getattr(bare, "update_metric", None) if loss_fn is None else None
+    if update is None and expected is None and metrics:
+        raise TrainerError(f"{type(bare).__name__} has no update_metric(batch, outputs, metric) or "
+                           "get_targets(batch), and its batches are not (input, target) pairs: the eval "
+                           "metrics cannot know the targets")
+    for metric in metrics.values():
+        if update is not None:
+            update(batch, outputs, metric)
+        else:
+            metric.update(outputs, expected)
 
 
 def eval_loss(bare: Any, loss_fn: Any, outputs: Any, batch: Any) -> torch.Tensor:

@@ -156,14 +156,14 @@ class Trainer:
         self.model = model.to(self.device)
         if self.world_size > 1 and not isinstance(model, nn.parallel.DistributedDataParallel):
             self.model = nn.parallel.DistributedDataParallel(self.model)
-        self._bare_model = getattr(self.model, "module", self.model)
+        self._bare_model = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) else self.model
         self.optimizers = arguments.as_list(optimizers) or [torch.optim.SGD(self.model.parameters(), lr=0.1)]
         self.schedulers = arguments.as_list(schedulers)
         self.train_dataloader = train_dataloader
         self.eval_dataloaders = arguments.eval_loaders(eval_dataloader)
         self.eval_intervals = arguments.eval_intervals(eval_interval, self.eval_dataloaders)
         self._eval_every_batch = any(i.unit is TimeUnit.BATCH for i in self.eval_intervals.values())
-        self.eval_metrics = arguments.eval_metrics(eval_metrics, self.device)
+        self.eval_metrics = arguments.eval_metrics(eval_metrics, self.device, self._bare_model if loss_fn is None else None)
         self.loss_fn, self.precision, self.grad_accum = loss_fn, precision, grad_accum
         # each microbatch's events share one dict, never modified (published as it is)
         self._micro_data = tuple({"microbatch": i} for i in range(grad_accum))
@@ -399,15 +399,15 @@ class Trainer:
                     outputs = batches.eval_forward(self.model, self._bare_model, self.loss_fn, batch)
                 emit(Topic.EVAL_AFTER_FORWARD, ts, {"dataloader_label": label})
                 expected = batches.targets(self._bare_model, self.loss_fn, batch)
-                for metric in self.eval_metrics.values():
-                    metric.update(outputs, expected)
+                batches.update_metrics(self.eval_metrics, self._bare_model, self.loss_fn, batch, outputs, expected)
                 size = batches.batch_size(batch)
                 batch_loss = batches.eval_loss(self._bare_model, self.loss_fn, outputs, batch).detach() * size
                 loss_sum = batch_loss if loss_sum is None else loss_sum + batch_loss
                 count += size
                 data: dict[str, Any] = {"dataloader_label": label, "loss": batch_loss / size}
                 if self.publish_eval_outputs:
-                    data["outputs"], data["targets"] = outputs.detach(), expected.detach()
+                    data["outputs"] = outputs.detach()
+                    data["targets"] = expected.detach() if expected is not None else None
                     inputs = batches.pair(batch)[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
                     if isinstance(inputs, torch.Tensor):
                         data["inputs"] = inputs.detach()

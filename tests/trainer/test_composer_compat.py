@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
 import torch.nn.functional as F
 from common import loader, mlp
+from torchmetrics.classification import MulticlassAccuracy
 
-from offloop import Callback, Event, Trainer
+from offloop import Callback, ComposerModel, Event, Trainer
 from offloop.algorithms import Algorithm
+from offloop.models import ComposerClassifier
+from offloop.trainer import TrainerError
 
 
 class ComposerStyle(Callback):
@@ -47,3 +52,83 @@ def test_a_callback_and_an_algorithm_written_for_composers_time_run_unchanged(tm
         {"epoch": 1, "batch": 4, "past_1ep": True, "elapsed": 0.5},
         {"epoch": 2, "batch": 8, "past_1ep": True, "elapsed": 1.0}]
     assert algorithm.seen == [(1, "ep", 0.5), (2, "ep", 1.0)]
+
+
+class Classifier(ComposerModel):
+    """Composer's getting-started model, with an MLP for the ResNet, and its metrics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = mlp(seed=5)
+        self.val_accuracy = MulticlassAccuracy(num_classes=3, average="micro")
+
+    def forward(self, batch):
+        inputs, _ = batch
+        return self.model(inputs)
+
+    def loss(self, outputs, batch):
+        _, targets = batch
+        return F.cross_entropy(outputs, targets)
+
+    def get_metrics(self, is_train=False):
+        return {"MulticlassAccuracy": self.val_accuracy}
+
+    def update_metric(self, batch, outputs, metric):
+        _, targets = batch
+        metric.update(outputs.argmax(dim=1), targets)  # its own way: the trainer calls it
+
+
+def test_a_composer_model_is_evaluated_with_its_own_metrics_and_update_metric(tmp_path):
+    model = Classifier()
+    evaluation = loader(32, 8, shuffle=False)
+    with Trainer(model, loader(32, 8), "1ep", eval_dataloader=evaluation, run_dir=tmp_path / "run",
+                 publish=False) as trainer:
+        trainer.fit()
+        results = trainer.eval()["eval"]
+    x, y = next(iter(loader(32, 32, shuffle=False)))
+    with torch.no_grad():
+        expected = (model.model.eval()(x).argmax(dim=1) == y).float().mean().item()
+    assert results["MulticlassAccuracy"] == pytest.approx(expected)
+    assert "loss" in results
+
+
+def test_composer_classifier_trains_and_evaluates_with_accuracy(tmp_path):
+    model = ComposerClassifier(mlp(seed=2), num_classes=3)
+    with Trainer(model, loader(32, 8), "1ep", eval_dataloader=loader(32, 8), run_dir=tmp_path / "run",
+                 publish=False) as trainer:
+        trainer.fit()
+        assert set(trainer.eval()["eval"]) == {"MulticlassAccuracy", "loss"}
+    with pytest.raises(ValueError, match="give num_classes"):
+        ComposerClassifier(mlp())
+
+
+class NoTargets(torch.nn.Module):
+    """Composer's protocol on a plain module: metrics, but no update_metric or get_targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = mlp()
+
+    def forward(self, batch):
+        return self.model(batch["x"])
+
+    def loss(self, outputs, batch):
+        return F.cross_entropy(outputs, batch["y"])
+
+    def get_metrics(self, is_train=False):
+        return {"acc": MulticlassAccuracy(num_classes=3)}
+
+
+class NoUpdate(NoTargets, ComposerModel):
+    pass
+
+
+@pytest.mark.parametrize("model, error, message", [
+    (NoTargets, TrainerError, "NoTargets has no update_metric"),
+    (NoUpdate, NotImplementedError, r"NoUpdate.get_metrics\(\) returns metrics: write update_metric"),
+])
+def test_a_composer_model_whose_metrics_cannot_find_targets_is_told_so(tmp_path, model, error, message):
+    batches = [{"x": x, "y": y} for x, y in loader(16, 8)]
+    with Trainer(model(), batches, "1ep", eval_dataloader=batches, run_dir=tmp_path / "run",
+                 publish=False) as trainer, pytest.raises(error, match=message):
+        trainer.fit()
