@@ -221,3 +221,18 @@ def autoresume_path(autoresume: bool, run_name: str | None, save_folder: Path, l
         log.info("offloop: autoresume from %s", latest.resolve())
         return str(latest.resolve())
     return load_path
+
+
+def microbatch_size(value: Any, grad_accum: int) -> int | None:
+    """Composer's device_train_microbatch_size: an int of samples (each batch split into
+    microbatches of that size, gradients accumulated); 'auto' is not supported here."""
+    if value is None:
+        return None
+    if value == "auto":
+        raise ConfigError("device_train_microbatch_size='auto' is not supported: give the number of samples "
+                          "a microbatch holds (an int), or grad_accum")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"device_train_microbatch_size must be an int >= 1 (samples), got {value!r}")
+    if grad_accum != 1:
+        raise ConfigError("give device_train_microbatch_size or grad_accum, not both: each sets how a batch is split")
+    return value

@@ -35,18 +35,20 @@ def batch_size(batch: Any) -> int:
     raise TrainerError(f"cannot tell the batch size of a {type(batch).__name__} batch")
 
 
-def split(batch: Any, n: int) -> list:
-    """The batch as n microbatches (tensors chunked along their first dimension)."""
+def split(batch: Any, n: int, size: int | None = None) -> list:
+    """The batch as n microbatches (tensors chunked along their first dimension), or, with
+    `size`, as microbatches of `size` samples (the last one smaller), as Composer's
+    device_train_microbatch_size splits it."""
     if n == 1:
         return [batch]
     if isinstance(batch, torch.Tensor):
-        return list(torch.chunk(batch, n))
+        return list(torch.chunk(batch, n) if size is None else torch.split(batch, size))
     if isinstance(batch, (tuple, list)):
-        parts = [split(x, n) for x in batch]
+        parts = [split(x, n, size) for x in batch]
         return [type(batch)(p[i] for p in parts) if isinstance(batch, tuple) else [p[i] for p in parts]
                 for i in range(len(parts[0]))]
     if isinstance(batch, Mapping):
-        parts = {k: split(v, n) for k, v in batch.items()}
+        parts = {k: split(v, n, size) for k, v in batch.items()}
         return [{k: v[i] for k, v in parts.items()} for i in range(len(next(iter(parts.values()))))]
     raise TrainerError(f"grad_accum={n} cannot split a {type(batch).__name__} batch")
 

@@ -59,7 +59,7 @@ class Trainer:
         run_dir: str | os.PathLike | None = None,
         device: str | torch.device = "auto",
         precision: str = "fp32",
-        grad_accum: int = 1,
+        grad_accum: int = 1, device_train_microbatch_size: int | str | None = None,
         load_path: str | os.PathLike | None = None,
         save_folder: str | os.PathLike | None = None, save_filename: str | None = "ep{epoch}-ba{batch}-rank{rank}.pt",
         save_latest_filename: str | None = "latest-rank{rank}.pt", save_interval: str | int | Time | None = "1ep",
@@ -67,15 +67,11 @@ class Trainer:
         seed: int | None = None,
         iteration_length: int | None = None,
         num_tokens_fn: Callable[[Any], int] | None = None,
-        publish: bool = True,
-        publish_eval_outputs: bool = False,
-        publish_samples: int = 0,
+        publish: bool = True, publish_eval_outputs: bool = False, publish_samples: int = 0,
         per_param_grad_norms: bool = False,
         contiguous_grads: bool | str = "auto",
         hparams: Mapping[str, Any] | None = None,
-        host: str = "127.0.0.1",
-        keys: str | os.PathLike | None = None,
-        insecure: bool = False,
+        host: str = "127.0.0.1", keys: str | os.PathLike | None = None, insecure: bool = False,
         heartbeat_interval: float = 0.5,
         burst_interval: float = 0.005,
         checkpoint_on_sigterm: bool = True,
@@ -87,6 +83,7 @@ class Trainer:
         arguments.check_settings(precision=precision, grad_accum=grad_accum, contiguous_grads=contiguous_grads,
                                  publish_samples=publish_samples, burst_interval=burst_interval,
                                  worker_nice=worker_nice, decision_timeout=decision_timeout)
+        self.microbatch_size = arguments.microbatch_size(device_train_microbatch_size, grad_accum)
         self.max_duration = arguments.parse_duration("max_duration", max_duration) if max_duration else None
         arguments.check_model(model, loss_fn, self.max_duration, num_tokens_fn)
         arguments.check_run(callbacks, publish, load_path, loggers)
@@ -273,8 +270,11 @@ class Trainer:
             batch = batches.to_device(batch, self.device)
         size = batches.batch_size(batch)
         now = self.timestamp.as_tuple()
+        accum = self.grad_accum if self.microbatch_size is None else -(-size // self.microbatch_size)
+        if accum > len(self._micro_data):  # a batch of more microbatches than any before it
+            self._micro_data = tuple({"microbatch": i} for i in range(accum))
         emit(Topic.BATCH_START, now, {"batch_size": size})
-        emit(Topic.BEFORE_TRAIN_BATCH, now, {"batch_size": size, "microbatches": self.grad_accum})
+        emit(Topic.BEFORE_TRAIN_BATCH, now, {"batch_size": size, "microbatches": accum})
         grads = self._grads
         if grads is not None:
             grads.zero()
@@ -282,8 +282,7 @@ class Trainer:
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=True)
         total_loss = loss_out = None
-        accum = self.grad_accum
-        for i, micro in enumerate((batch,) if accum == 1 else batches.split(batch, accum)):
+        for i, micro in enumerate((batch,) if accum == 1 else batches.split(batch, accum, self.microbatch_size)):
             micro_data = self._micro_data[i]
             emit(Topic.BEFORE_FORWARD, now, micro_data)
             if self.precision == "fp32":

@@ -14,7 +14,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from offloop import Callback, ComposerModel, Event, Trainer
 from offloop.algorithms import Algorithm
 from offloop.models import ComposerClassifier
-from offloop.trainer import TrainerError
+from offloop.trainer import ConfigError, TrainerError
 
 
 class ComposerStyle(Callback):
@@ -132,3 +132,41 @@ def test_a_composer_model_whose_metrics_cannot_find_targets_is_told_so(tmp_path,
     with Trainer(model(), batches, "1ep", eval_dataloader=batches, run_dir=tmp_path / "run",
                  publish=False) as trainer, pytest.raises(error, match=message):
         trainer.fit()
+
+
+class CountsForwards(Algorithm):
+    def __init__(self) -> None:
+        self.forwards, self.sizes = 0, []
+
+    def match(self, event, state) -> bool:
+        return event == Event.BEFORE_FORWARD
+
+    def apply(self, event, state, logger) -> None:
+        self.forwards += 1
+
+
+def _no_dropout_mlp():
+    model = mlp(seed=4)
+    model[2].p = 0.0
+    return model
+
+
+def test_device_train_microbatch_size_splits_each_batch_by_samples_and_steps_as_the_whole_batch(tmp_path):
+    counts = CountsForwards()
+    split = Trainer(_no_dropout_mlp(), loader(32, 8, shuffle=False), "1ep", loss_fn=F.cross_entropy,
+                    device_train_microbatch_size=3, algorithms=[counts], run_dir=tmp_path / "a", publish=False)
+    split.fit()
+    whole = Trainer(_no_dropout_mlp(), loader(32, 8, shuffle=False), "1ep", loss_fn=F.cross_entropy,
+                    run_dir=tmp_path / "b", publish=False)
+    whole.fit()
+    assert counts.forwards == 4 * 3  # 8 samples: microbatches of 3, 3 and 2
+    for a, b in zip(split.model.parameters(), whole.model.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_bad_microbatch_sizes_are_refused(tmp_path):
+    for kw, message in (({"device_train_microbatch_size": "auto"}, "'auto' is not supported"),
+                        ({"device_train_microbatch_size": 0}, "must be an int >= 1"),
+                        ({"device_train_microbatch_size": 4, "grad_accum": 2}, "not both")):
+        with pytest.raises(ConfigError, match=message):
+            Trainer(mlp(), loader(32, 8), "1ep", loss_fn=F.cross_entropy, run_dir=tmp_path / "c", publish=False, **kw)
