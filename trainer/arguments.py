@@ -4,6 +4,7 @@ the argument, the value received and what would be valid (a ConfigError)."""
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterable, Mapping
 from contextlib import nullcontext
 from pathlib import Path
@@ -171,12 +172,28 @@ def eval_intervals(value: Any, loaders: dict[str, Iterable]) -> dict[str, Time]:
     return out
 
 
-def saving(save_folder: Any, folder: Path, filename: Any, latest_filename: Any, interval: Any, keep: Any,
-           autoresume: bool, run_name: str | None, load_path: Any, publish: bool) -> tuple[dict | None, Any]:
-    """Composer's save_* arguments and autoresume: (the CheckpointSaver's arguments or
-    None, the checkpoint to load); `folder` is where the trainer writes checkpoints."""
+def worker_builtins(save_folder: Any, folder: Path, filename: Any, latest_filename: Any, interval: Any, keep: Any,
+                    autoresume: bool, run_name: str | None, load_path: Any, publish: bool,
+                    console: tuple[bool, bool, str]) -> tuple[dict[str, dict], Any]:
+    """What the shared worker builds besides the callbacks — {class name: arguments} of
+    Composer's CheckpointSaver (the save_* arguments), ProgressBar and ConsoleLogger
+    (`console`: progress_bar, log_to_console, console_stream) — and the checkpoint to load
+    (autoresume's, or load_path). The trainer names them; it imports no callback."""
+    builtins: dict[str, dict] = {}
     saver = checkpoint_saving(save_folder, filename, latest_filename, interval, keep, publish)
-    return saver, autoresume_path(autoresume, run_name, folder, latest_filename, load_path)
+    if saver is not None:
+        builtins["CheckpointSaver"] = saver
+    progress_bar, log_to_console, stream = console
+    if stream not in ("stdout", "stderr"):
+        raise ConfigError(f"console_stream must be 'stdout' or 'stderr', got {stream!r}")
+    if log_to_console:
+        if not publish:
+            raise ConfigError("log_to_console=True logs from a worker process and needs publish=True")
+        builtins["ConsoleLogger"] = {"stream": stream}
+    # a bar redraws in place: only on a terminal (a log file would fill with carriage returns)
+    if progress_bar and publish and getattr(sys.stderr, "isatty", lambda: False)():
+        builtins["ProgressBar"] = {}
+    return builtins, autoresume_path(autoresume, run_name, folder, latest_filename, load_path)
 
 
 def checkpoint_saving(save_folder: Any, filename: Any, latest_filename: Any, interval: Any, keep: Any,

@@ -125,7 +125,7 @@ class CallbackWorkers:
     def __init__(self, callbacks: list, run_dir: str, ready_timeout: float = 120.0,
                  keys: str | None = None, max_restarts: int = 3,
                  heartbeat_timeout: float = 10.0, nice: int = 10, loggers: list | None = None,
-                 saver: dict | None = None) -> None:
+                 builtins: dict[str, dict] | None = None) -> None:
         self.callbacks = list(callbacks)
         # serialized once, here: a callback that cannot travel fails the Trainer before its
         # sockets exist, and a restarted worker gets the callbacks as they were sent first
@@ -133,13 +133,16 @@ class CallbackWorkers:
                         for group in process_groups(self.callbacks)]
         #: the run's loggers, for the shared worker (one is started for them if no callback shares it)
         self._loggers = [_serialized(destination, "logger") for destination in loggers or []]
-        #: the arguments of the CheckpointSaver the shared worker adds after its callbacks
-        #: (the Trainer's save_* arguments, as Composer's); the trainer imports no callback
-        self._saver = saver
-        if (self._loggers or saver) and (not self._groups or getattr(self._groups[0][0][0], "process_group", None)):
+        #: {class name: arguments} the shared worker builds besides its callbacks (the
+        #: Trainer's save_*, progress_bar and log_to_console, as Composer's): the trainer
+        #: names them and imports no callback
+        self._builtins = dict(builtins or {})
+        if (self._loggers or self._builtins) and (not self._groups
+                                                  or getattr(self._groups[0][0][0], "process_group", None)):
             self._groups.insert(0, ([], []))
         #: where each worker's callbacks decide (Callback.decides_on), checked now
         self.decision_schedule = decision_schedule([group for group, _ in self._groups])
+        saver = self._builtins.get("CheckpointSaver")
         if saver is not None:  # it decides at its interval, as a CheckpointSaver one builds does
             every = Time.parse(saver["save_interval"])
             topic = "epoch_checkpoint" if every.unit is TimeUnit.EPOCH else "batch_checkpoint"
@@ -198,7 +201,7 @@ class CallbackWorkers:
         conn = Connection(ours.detach())
         settings = {"sys_path": list(sys.path), "run_dir": self.run_dir, "keys": self.keys,
                     "heartbeat_timeout": self.heartbeat_timeout, "nice": self.nice, "count": len(payloads),
-                    "index": index, "loggers": len(loggers), "saver": self._saver if index == 0 else None}
+                    "index": index, "loggers": len(loggers), "builtins": self._builtins if index == 0 else {}}
         conn.send_bytes(pickle.dumps(settings))
         for payload in payloads + loggers:
             conn.send_bytes(payload)

@@ -64,20 +64,16 @@ class Trainer:
         save_folder: str | os.PathLike | None = None, save_filename: str | None = "ep{epoch}-ba{batch}-rank{rank}.pt",
         save_latest_filename: str | None = "latest-rank{rank}.pt", save_interval: str | int | Time | None = "1ep",
         save_num_checkpoints_to_keep: int = -1, autoresume: bool = False,
-        seed: int | None = None,
-        iteration_length: int | None = None,
+        seed: int | None = None, iteration_length: int | None = None,
+        progress_bar: bool = True, log_to_console: bool = False, console_stream: str = "stderr",
         num_tokens_fn: Callable[[Any], int] | None = None,
         publish: bool = True, publish_eval_outputs: bool = False, publish_samples: int = 0,
-        per_param_grad_norms: bool = False,
-        contiguous_grads: bool | str = "auto",
+        per_param_grad_norms: bool = False, contiguous_grads: bool | str = "auto",
         hparams: Mapping[str, Any] | None = None,
         host: str = "127.0.0.1", keys: str | os.PathLike | None = None, insecure: bool = False,
-        heartbeat_interval: float = 0.5,
-        burst_interval: float = 0.005,
-        checkpoint_on_sigterm: bool = True,
-        worker_shutdown_timeout: float = 60.0,
-        worker_nice: int = 10,
-        decision_timeout: float = 30.0,
+        heartbeat_interval: float = 0.5, burst_interval: float = 0.005,
+        checkpoint_on_sigterm: bool = True, worker_shutdown_timeout: float = 60.0,
+        worker_nice: int = 10, decision_timeout: float = 30.0,
     ) -> None:
         # what can be known now fails now, before a socket, a worker or run.json exists
         arguments.check_settings(precision=precision, grad_accum=grad_accum, contiguous_grads=contiguous_grads,
@@ -103,8 +99,9 @@ class Trainer:
         self.contiguous_grads, self.publish_samples = contiguous_grads, publish_samples
         self.timestamp = Timestamp()
         self.run_id, self.run_name, self.run_dir, self.save_folder = name_run(run_name, run_dir, save_folder)
-        saver, load_path = arguments.saving(save_folder, self.save_folder, save_filename, save_latest_filename,
-                                            save_interval, save_num_checkpoints_to_keep, autoresume, run_name, load_path, publish)
+        builtins, load_path = arguments.worker_builtins(
+            save_folder, self.save_folder, save_filename, save_latest_filename, save_interval, save_num_checkpoints_to_keep,
+            autoresume, run_name, load_path, publish, (progress_bar, log_to_console, console_stream))
         self.hparams = dict(hparams or {})
         self._checkpointer = checkpoint.Checkpointer(self._parts, self._agreement, self.save_folder,
                                                      rank=self.rank, seed=self.seed, run_name=self.run_name)
@@ -112,7 +109,7 @@ class Trainer:
         self.keys = Path(keys) if keys else None
         # a worker that hears no heartbeat for 10 intervals (3 s at least) takes the trainer
         # for dead; built (its callbacks serialized) before a socket or run.json exists
-        self.workers = CallbackWorkers(callbacks or [], str(self.run_dir), loggers=loggers, saver=saver,
+        self.workers = CallbackWorkers(callbacks or [], str(self.run_dir), loggers=loggers, builtins=builtins,
                                        keys=str(self.keys) if self.keys else None,
                                        heartbeat_timeout=max(3.0, 10 * heartbeat_interval), nice=worker_nice)
 

@@ -67,10 +67,17 @@ def _jsonable(value: Any) -> Any:
 
 
 class ConsoleLogger(LoggerDestination):
-    def __init__(self, stream: TextIO | None = None, prefix: str = "") -> None:
+    """Lines on the console: `stream` a file object, or 'stdout' / 'stderr' (Composer's
+    console_stream; a name travels to a worker, an open stream does not)."""
+
+    def __init__(self, stream: TextIO | str | None = None, prefix: str = "") -> None:
+        if isinstance(stream, str) and stream not in ("stdout", "stderr"):
+            raise ValueError(f"ConsoleLogger: stream must be 'stdout', 'stderr' or a file object, got {stream!r}")
         self.stream, self.prefix = stream, prefix
 
     def _out(self) -> TextIO:
+        if isinstance(self.stream, str):
+            return sys.stderr if self.stream == "stderr" else sys.stdout
         return self.stream or sys.stdout
 
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:

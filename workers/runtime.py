@@ -327,19 +327,29 @@ def _wanted(callback) -> frozenset[str] | None:
 
 def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: str | None = None,
                             heartbeat_timeout: float = 10.0, index: int | None = None,
-                            loggers: list | None = None, saver: dict | None = None) -> None:
+                            loggers: list | None = None, builtins: dict[str, dict] | None = None) -> None:
     """Entry point of a worker process the Trainer started for some of its callbacks (they
-    run in order, as in Composer's loop). The worker given the run's `loggers` logs what
-    Composer's Trainer logs itself (TrainerMetrics, first) and its callbacks log there too;
-    the one given `saver` (the Trainer's save_* arguments) runs that CheckpointSaver last."""
+    run in order, as in Composer's loop). The shared worker also builds what the Trainer's
+    own arguments name (`builtins`: a CheckpointSaver and a ProgressBar after the callbacks,
+    a ConsoleLogger beside the loggers); the worker with loggers logs what Composer's
+    Trainer logs itself (TrainerMetrics, first) and its callbacks log there too."""
+    builtins = builtins or {}
+    if "ConsoleLogger" in builtins:
+        from offloop.workers.logger import ConsoleLogger
+
+        loggers = [*(loggers or []), ConsoleLogger(**builtins["ConsoleLogger"])]
     if loggers:
         from offloop.workers.callbacks.trainer_metrics import TrainerMetrics
 
         callbacks = [TrainerMetrics(), *callbacks]
-    if saver:
+    if "CheckpointSaver" in builtins:
         from offloop.workers.callbacks.checkpoint_saver import CheckpointSaver
 
-        callbacks = [*callbacks, CheckpointSaver(**saver)]
+        callbacks = [*callbacks, CheckpointSaver(**builtins["CheckpointSaver"])]
+    if "ProgressBar" in builtins:
+        from offloop.workers.callbacks.progress import ProgressBar
+
+        callbacks = [*callbacks, ProgressBar(**builtins["ProgressBar"])]
     try:
         worker = Worker(run_dir, callbacks, exit_on_fit_end=False, heartbeat_timeout=heartbeat_timeout,
                         keys=keys, key_name="workers", index=index, destinations=loggers or None)

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     from offloop.workers.runtime import serve_trainer_callbacks
 
     serve_trainer_callbacks(callbacks, settings["run_dir"], conn, settings["keys"], settings["heartbeat_timeout"],
-                            settings.get("index"), loggers, settings.get("saver"))
+                            settings.get("index"), loggers, settings.get("builtins"))
 
 
 class WholeLines(io.RawIOBase):

@@ -126,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
             eval_dataloader=evaluation, eval_interval="1ep",
             eval_metrics=torchmetrics.classification.MulticlassAccuracy(num_classes=10),
             callbacks=callbacks, run_dir=run_dir, seed=args.seed,
+            progress_bar=False,  # the demo's own progress display is its first callback
             host=args.host, keys=args.keys, insecure=args.insecure,
             hparams={"lr": 1e-3, "batch_size": 64, "hidden": 128},
         )
