@@ -72,6 +72,9 @@ DEFAULT_RETAINED = frozenset(
 _HB_PREFIX = topic_prefix(HEARTBEAT_TOPIC)
 _DRAIN_EVERY = 4096  # the publishing socket's own copy of the subscriptions is drained this often
 HOLD_AT_MOST = 256  # held events sent anyway once this many wait
+#: the largest message a peer may send into the events socket: (un)subscriptions are a
+#: byte and a topic prefix; anything longer is not one
+MAX_SUBSCRIPTION_BYTES = 4096
 _STALL_CHECK = 0.05  # seconds: held events older than this (and the interval) leave from the service thread
 _SUBSCRIPTION_SETTLE = 0.01  # seconds; libzmq's max_command_delay is 3M TSC ticks (~1 ms)
 
@@ -124,6 +127,8 @@ class Publisher:
         self._wanted_lock = threading.Lock()
         self._single: frozenset[str] = frozenset()  # topics sent as messages of their own
         self._burst = False  # someone takes bursts (a subscriber of everything)
+        #: messages a peer sent into the events socket that were not (un)subscriptions
+        self.foreign_messages = 0
         # open prefixes: topics outside RUN_TOPICS that they select join `_wanted` (and,
         # for a prefix other than the burst's, `_single`) the first time they are published
         self._open_prefixes: tuple[str, ...] = ()
@@ -168,6 +173,9 @@ class Publisher:
         back = ctx.socket(zmq.XPUB)
         back.sndhwm = self._subscriber_hwm
         back.linger = 0
+        # what reaches it from a peer is a subscription, a topic prefix: a peer sending more
+        # is disconnected by libzmq before the bytes are buffered
+        back.maxmsgsize = MAX_SUBSCRIPTION_BYTES
         if self._curve is not None:
             self._curve.apply(back)
         events = self._bind(back, self._events_port)
@@ -495,7 +503,8 @@ class Publisher:
     def _track_subscriptions(self, watcher: zmq.Socket) -> None:
         while watcher.poll(0):
             change = watcher.recv()
-            if not change:
+            if not change or change[0] not in (0, 1):  # not a subscription or unsubscription
+                self.foreign_messages += 1  # ignored, counted: it changes no one's subscriptions
                 continue
             (self._subscriptions.add if change[0] == 1 else self._subscriptions.discard)(change[1:])
         subscriptions = tuple(self._subscriptions)

@@ -9,6 +9,7 @@ import logging
 import multiprocessing
 import signal
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from offloop.bus import CHECKPOINT_SAVED, CONTROL_REQUEST, ControlRequest, ControlServer, Timestamp
 from offloop.trainer.checkpoint import check_filename
 from offloop.trainer.distributed import ControlAgreement
-from offloop.trainer.errors import CheckpointError
+from offloop.trainer.errors import CheckpointError, TrainerError
 
 __all__ = ["Control"]
 
@@ -46,6 +47,7 @@ class Control:
         self.in_fit = False
         self.fit_ended = False  # fit_end was published: close() waits for workers to see it
         self.closed = False
+        self._sigterm: tuple | None = None  # (our SIGTERM handler, the one before it)
         # totals carried by checkpoint_saved and control_request, so a late joiner, which
         # gets only the latest of each, still knows how many there were
         self.requests_seen = self.saves = 0
@@ -144,7 +146,10 @@ class Control:
         log.warning("offloop: %s; training goes on", exc)
 
     def request_halt(self, reason: str) -> None:
-        """In-process twin of a halt request: stop after the current batch."""
+        """In-process twin of a halt request: stop after the current batch. The reason is
+        a str, as on the wire: it goes into run.json and every stopped_by."""
+        if not isinstance(reason, str):
+            raise TrainerError(f"request_halt(reason) takes a str, got {type(reason).__name__} {reason!r}")
         self.stop = True
         self.stopped_by = {"reason": reason, "client": "in-process"}
 
@@ -194,6 +199,7 @@ class Control:
             previous = signal.getsignal(signal.SIGTERM)
         except ValueError:
             return
+        close_ref = weakref.WeakMethod(close)  # a closed Trainer is not kept alive by its handler
 
         def handler(signum, frame):
             if self.closed:
@@ -204,10 +210,24 @@ class Control:
             if not self.agreement.active:  # under torchrun the ranks agree at the next batch end
                 self.stop = True
             if not self.in_fit:
-                close()
+                closing = close_ref()
+                if closing is not None:
+                    closing()
                 raise SystemExit(128 + signum)
 
         try:
             signal.signal(signal.SIGTERM, handler)
         except ValueError:  # not the main thread
+            return
+        self._sigterm = (handler, previous)
+
+    def uninstall_sigterm(self) -> None:
+        """Put back the SIGTERM handler there was before, if ours is still the one installed
+        (a Trainer built since keeps its own, which passes a SIGTERM on to ours)."""
+        handler, previous = self._sigterm or (None, None)
+        self._sigterm = None
+        try:
+            if handler is not None and signal.getsignal(signal.SIGTERM) is handler:
+                signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        except ValueError:  # not the main thread: it stays, and does nothing once closed
             pass

@@ -470,6 +470,8 @@ class Trainer:
         if control.closed:
             return
         control.closed = True
+        atexit.unregister(self.close)  # nothing global holds a closed Trainer (its model, CUDA memory)
+        control.uninstall_sigterm()
         self._readings.user_metrics.close()  # log_metrics() goes to an open Trainer only
         self.workers.closing = True  # from here a worker that has seen every fit_end may exit
         # with no fit (only eval() or predict()) there is no fit_end to wait for: the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -140,3 +141,25 @@ def test_fit_eval_and_predict_on_a_closed_trainer_are_refused_by_name(tmp_path):
             call()
     assert trainer.timestamp.batch == 1  # nothing more trained
     assert all(torch.equal(a, b) for a, b in zip(weights, trainer.model.parameters(), strict=True))
+
+
+def test_a_halt_reason_that_is_not_a_str_is_refused_in_process(tmp_path):
+    with Trainer(mlp(), loader(), "1ep", loss_fn=F.cross_entropy, run_dir=tmp_path / "run") as trainer:
+        with pytest.raises(TrainerError, match="request_halt\\(reason\\) takes a str, got bytes"):
+            trainer.request_halt(b"enough")
+        trainer.fit()  # nothing was halted
+        assert trainer.stopped_by is None and trainer.timestamp.epoch == 1
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["finished"] is True
+
+
+def test_a_closed_trainer_is_freed_once_nothing_else_holds_it(tmp_path):
+    import gc
+    import weakref
+
+    trainer = Trainer(mlp(), loader(), "1ep", loss_fn=F.cross_entropy, run_dir=tmp_path / "run")
+    trainer.fit()
+    trainer.close()
+    ref = weakref.ref(trainer)
+    del trainer
+    gc.collect()
+    assert ref() is None  # atexit no longer holds it
