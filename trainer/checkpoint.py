@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import random
+import re
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -84,7 +85,8 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        # the writer's pid in the name: a file a killed writer left is known as such (remove_stale)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.pid{os.getpid()}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
         raise CheckpointError(f"cannot write a checkpoint in {path.parent}: {exc.strerror or exc}") from None
     try:
@@ -93,6 +95,7 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
             out.flush()
             os.fsync(out.fileno())
         _publish(Path(tmp), path)
+        _fsync_folder(path.parent)  # the new name itself survives a power cut
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(exc, CheckpointError):  # the name is taken: said as it is
@@ -120,6 +123,44 @@ def _publish(tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
         return
     tmp.unlink()
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_STALE = re.compile(r"^\..+\.pid(\d+)\..+\.tmp$")
+
+
+def remove_stale(folder: Path) -> list[str]:
+    """Remove the temporary files of checkpoint writes whose process is gone (a writer
+    killed mid-write, SIGKILL or a power cut, leaves one); a live writer's are kept."""
+    removed = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:  # no folder yet, or not readable: nothing of ours there
+        return removed
+    for entry in entries:
+        match = _STALE.match(entry.name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        entry.unlink(missing_ok=True)
+        removed.append(entry.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def _os_error(exc: BaseException | None) -> OSError | None:
@@ -161,6 +202,9 @@ class Checkpointer:
         self.parts, self.agreement, self.folder = parts, agreement, folder
         self.rank, self.seed, self.run_name = rank, seed, run_name
         self.written: list[str] = []
+        if rank == 0:
+            for name in remove_stale(folder):
+                log.warning("offloop: removed %s in %s, left by a checkpoint write that was killed", name, folder)
 
     def write(self, ts: Timestamp, epoch_rng: dict | None, tag: str, filename: str | None) -> tuple[Path, str]:
         """The file written and the tag rank 0 gave it (under torchrun the other ranks

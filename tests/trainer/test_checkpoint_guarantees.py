@@ -6,6 +6,9 @@ a file name can never leave the checkpoint folder."""
 from __future__ import annotations
 
 import errno
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from offloop.bus import ControlRequest
 from offloop.trainer.checkpoint import (
     check_filename,
     load_checkpoint,
+    remove_stale,
     requested_name,
     save_checkpoint,
 )
@@ -122,3 +126,31 @@ def test_an_exception_chain_that_loops_back_on_itself_is_no_full_disk_and_does_n
     with pytest.raises(RuntimeError, match="first"):
         save_checkpoint(tmp_path / "c.pt", {"x": FailsWhenSaved(raise_(first))})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_folder_is_fsynced_after_the_checkpoint_gets_its_name(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+
+    def record(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    path = save_checkpoint(tmp_path / "ckpt" / "a.pt", {"x": torch.ones(2)})
+    assert synced[-1] == str(tmp_path / "ckpt") and path.is_file()
+    assert any(name.startswith(str(tmp_path / "ckpt" / ".a.pt.pid")) for name in synced[:-1])  # the file first
+
+
+def test_a_killed_writers_temporary_file_is_removed_and_a_live_ones_kept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    stale = folder / f".ep1-ba4.pt.pid{int(dead.stdout)}.abc123.tmp"
+    live = folder / f".ep1-ba4.pt.pid{os.getpid()}.def456.tmp"
+    other = folder / ".notes.tmp"
+    for file in (stale, live, other):
+        file.write_bytes(b"half")
+    assert remove_stale(folder) == [stale.name]
+    assert not stale.exists() and live.exists() and other.exists()
+    assert remove_stale(tmp_path / "missing") == []
