@@ -64,13 +64,15 @@ def read_recording(path: str | Path, limits: Limits = DEFAULT_LIMITS
                    ) -> tuple[RecordingHeader, Iterator[Message | tuple[str, int]]]:
     """The header, and an iterator of Messages and ("gap", n) / ("gap:<topic>", n) items.
 
-    Raises WireError if the file is not a recording; a truncated tail ends the
-    iterator quietly (what was recorded before it is still replayed)."""
+    Raises WireError if the file is not a recording. A record that cannot be read is
+    ("malformed", 1) and the rest is still read; a truncated or corrupt tail ends the
+    iterator with ("truncated", 1) (what was recorded before it is still replayed)."""
     path = Path(path)
     try:
         handle = path.open("rb")
     except OSError as exc:
         raise WireError(f"cannot open recording {path}: {exc.strerror or exc}") from None
+    size = path.stat().st_size
     unpacker = msgpack.Unpacker(handle, max_buffer_size=limits.max_message_bytes,
                                 strict_map_key=True)
     try:
@@ -88,21 +90,32 @@ def read_recording(path: str | Path, limits: Limits = DEFAULT_LIMITS
     def records() -> Iterator[Message | tuple[str, int]]:
         with handle:
             try:
+                end = unpacker.tell()
                 for record in unpacker:
+                    end = unpacker.tell()  # where the last whole record ends
                     kind = record.get("k") if isinstance(record, dict) else None
                     if kind == "ev":
                         try:
                             msg = decode_event(record["f"], limits)
-                        except WireError:
+                        except (WireError, TypeError, ValueError, KeyError):  # not an event's frames
                             yield ("malformed", 1)
                             continue
                         msg.raw = record["f"]
                         yield msg
                     elif kind == "gap":
-                        yield (f"gap:{record.get('topic', '')}", int(record.get("n", 0)))
+                        topic, n = record.get("topic", ""), record.get("n")
+                        if type(topic) is not str or type(n) is not int or n < 0:
+                            yield ("malformed", 1)  # said, and the replay goes on
+                            continue
+                        yield (f"gap:{topic}", n)
                     elif kind == "end":
                         return
-            except (ValueError, msgpack.OutOfData, msgpack.ExtraData, KeyError):
-                return  # a recording cut short: everything before this point was replayed
+                    else:
+                        yield ("malformed", 1)
+            except (ValueError, msgpack.OutOfData, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+                yield ("truncated", 1)  # corrupt from here: everything before this point was replayed
+                return
+            if end < size:  # the file ends inside a record (a crash mid-write)
+                yield ("truncated", 1)
 
     return RecordingHeader(header), records()

@@ -47,13 +47,15 @@ def replay(path: str | Path, callbacks: list, destinations=None) -> Worker:
     for callback in callbacks:
         callback._control = control
     worker.state._apply_config(header.get("config") or {})
-    malformed = 0
+    malformed = truncated = 0
     try:
         for item in records:
             if isinstance(item, tuple):
                 kind, n = item
                 if kind == "malformed":
                     malformed += n
+                elif kind == "truncated":
+                    truncated += n
                 else:
                     worker.stats.gaps += n
                 continue
@@ -61,5 +63,6 @@ def replay(path: str | Path, callbacks: list, destinations=None) -> Worker:
     finally:
         worker.close()
     worker.replay_requests = control.requests
-    worker.malformed = malformed
+    worker.malformed = malformed  # records that could not be read, skipped
+    worker.truncated = bool(truncated)  # the file ended inside a record: what came before was replayed
     return worker

@@ -40,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
         abort(str(exc))
     print(f"offloop replay: {worker.stats.events} events replayed, {worker.stats.gaps} recorded as lost, "
           f"{worker.malformed} unreadable, {worker.stats.errors} callback errors, "
-          f"{len(worker.replay_requests)} control requests printed (not sent)", file=sys.stderr)
+          f"{len(worker.replay_requests)} control requests printed (not sent)"
+          + ("; the recording ends inside a record (cut short): what came before it was replayed"
+             if worker.truncated else ""), file=sys.stderr)
     if worker.stats.errors:
         # replay is how callbacks are tested: one that raised fails the replay
         abort(f"{worker.stats.errors} callback error{'s' if worker.stats.errors != 1 else ''} "

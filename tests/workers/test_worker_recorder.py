@@ -67,6 +67,24 @@ def test_gaps_are_recorded_where_they_happen_and_a_cut_short_recording_still_rep
     worker = replay(path, [counter], destinations=[])
     assert counter.batch_ends == 3 and worker.stats.gaps == 3
     assert worker.state.timestamp.batch == 6 and worker.state.loss == 0.5
+    assert worker.truncated and worker.malformed == 0
+
+
+def test_bad_records_are_counted_and_the_replay_goes_on_past_them(tmp_path):
+    enc = EventEncoder("r", "p", 0)
+    path = tmp_path / "rec.offloop"
+    writer = RecordingWriter(path, "r", "bad", {"max_duration": "9ba"})
+    writer.event(enc.encode("batch_end", 1, 1, (0, 1, 1, 8, 0), {"loss": 1.0}))
+    writer._write({"k": "ev", "f": 7})  # frames that are not a list: a TypeError before
+    writer._write({"k": "gap", "topic": "batch_end", "n": "three"})  # ended the replay quietly before
+    writer._write({"k": "gap", "topic": "batch_end", "n": 2})
+    writer._write(["not", "a", "record"])
+    writer.event(enc.encode("batch_end", 4, 4, (0, 4, 4, 32, 0), {"loss": 0.5}))
+    writer.close()
+    counter = Counter()
+    worker = replay(path, [counter], destinations=[])
+    assert counter.batch_ends == 2 and worker.state.timestamp.batch == 4
+    assert worker.malformed == 3 and worker.stats.gaps == 2 and not worker.truncated
 
 
 def test_replay_refuses_a_file_that_is_not_a_recording(tmp_path):
