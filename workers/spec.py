@@ -1,9 +1,13 @@
-"""Callback specs from a command line or a config file, parsed safely (no eval).
+"""Callback specs from a command line or a config file.
 
 A spec is a built-in name (`LRMonitor`), an import path (`pkg.mod:Class`), either
 optionally called with Python literals: `EarlyStopper(monitor="MulticlassAccuracy",
 dataloader_label="eval", patience=2)`. Arguments are read with `ast.literal_eval`:
-numbers, strings, booleans, None, lists, tuples and dicts of those.
+numbers, strings, booleans, None, lists, tuples and dicts of those; never evaluated.
+
+A spec is still code: `pkg.mod:Class` imports `pkg.mod` (running whatever it runs on
+import) and builds the class. It must name a Callback class — not a function such as
+`os:system` — but a config file of specs deserves the trust a script does.
 """
 
 from __future__ import annotations
@@ -58,9 +62,15 @@ def resolve(name: str) -> type:
         except ImportError as exc:
             raise SpecError(f"cannot import {module_name!r} for callback {name!r}: {exc}") from None
         try:
-            return getattr(module, attr)
+            found = getattr(module, attr)
         except AttributeError:
             raise SpecError(f"module {module_name!r} has no {attr!r}") from None
+        from offloop.workers.callback import Callback
+
+        if not (isinstance(found, type) and issubclass(found, Callback)):
+            raise SpecError(f"{name} is {'the class ' + found.__name__ if isinstance(found, type) else 'a ' + type(found).__name__}, "
+                            "not a Callback class: a spec names a subclass of offloop's Callback")
+        return found
     if name in BUILTINS:
         import offloop.workers.callbacks as builtins
 

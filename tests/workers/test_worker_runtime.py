@@ -161,6 +161,16 @@ def test_specs_are_parsed_safely():
         build_callback("test_worker_runtime:Tracer(1, 2, 3, 4)")
 
 
+def test_a_spec_names_a_callback_class_never_a_function(tmp_path):
+    marker = tmp_path / "ran"
+    for spec, what in ((f"os:system('touch {marker}')", "a builtin_function_or_method"),
+                       ("subprocess:Popen(['true'])", "the class Popen"),
+                       ("json:loads('1')", "a function")):
+        with pytest.raises(SpecError, match=f"is {what}, not a Callback class"):
+            build_callback(spec)
+    assert not marker.exists()
+
+
 def _offloop(*args, **kw):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}"}
     return subprocess.Popen([sys.executable, "-m", "offloop.cli", *args], env=env,
