@@ -95,6 +95,10 @@ class ControlStats:
     acked: int = 0
     unauthorized: int = 0
     oversized: int = 0
+    #: refused because the trainer already had max_queued requests (or bytes) waiting
+    overflow: int = 0
+    #: a retry of a request answered so long ago that its ack is no longer kept: not applied again
+    stale: int = 0
 
 
 class ControlServer:
@@ -107,6 +111,8 @@ class ControlServer:
         port: int = 0,
         limits: Limits = DEFAULT_LIMITS,
         keep_acks: int = 4096,
+        max_queued: int = 256,
+        max_queued_bytes: int = 16 << 20,
         authorize: Callable[[ControlRequest], str | None] | None = None,
         context: zmq.Context | None = None,
         curve=None,
@@ -125,7 +131,17 @@ class ControlServer:
         self.on_request: Callable[[], None] | None = None
         self._outbox: deque[tuple[ControlRequest, bytes]] = deque()
         self._pending: dict[tuple[str, int], bytes] = {}  # key -> latest routing identity
+        # at most this many requests (and bytes of them) wait for the trainer; more are refused
+        self._max_queued, self._max_queued_bytes = max_queued, max_queued_bytes
+        self._pending_bytes: dict[tuple[str, int], int] = {}
+        self._queued_bytes = 0
+        # acks kept for retries: the trainer's answers, and apart from them the refusals (so
+        # refused garbage never pushes out an answer a retry of an applied request needs)
         self._acks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._refusals: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        # each client's highest request the trainer has answered: a retry at or below it whose
+        # ack is no longer kept is a request already applied (a client sends in order)
+        self._answered: OrderedDict[str, int] = OrderedDict()
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         self._wake_lock = threading.Lock()
@@ -220,16 +236,27 @@ class ControlServer:
         while self._outbox:
             request, body = self._outbox.popleft()
             identity = self._pending.pop(request.key, None)
-            self._remember(request.key, body)
+            self._queued_bytes -= self._pending_bytes.pop(request.key, 0)
+            self._remember(self._acks, request.key, body)
+            client, req = request.key
+            self._answered[client] = max(req, self._answered.pop(client, req))
+            while len(self._answered) > self._keep_acks:
+                self._answered.popitem(last=False)
             self.stats.acked += 1
             if identity is not None:
                 router.send_multipart([identity, body])
         return alive
 
-    def _remember(self, key: tuple[str, int], body: bytes) -> None:
-        self._acks[key] = body
-        while len(self._acks) > self._keep_acks:
-            self._acks.popitem(last=False)
+    def _remember(self, store: OrderedDict, key: tuple[str, int], body: bytes) -> None:
+        store[key] = body
+        while len(store) > self._keep_acks:
+            store.popitem(last=False)
+
+    def _refuse_now(self, router: zmq.Socket, identity: bytes, request: ControlRequest, error: str) -> bytes:
+        body = encode_reply("ack", client=request.client, req=request.req, op=request.op,
+                            ok=False, result={}, error=error)
+        router.send_multipart([identity, body])
+        return body
 
     def _receive(self, router: zmq.Socket, frames: list) -> None:
         identity = frames[0].bytes
@@ -254,22 +281,36 @@ class ControlServer:
         request = ControlRequest(body["client"], body["req"], body["op"], body["args"],
                                  time.time(), self, body.get("wait"))
         key = request.key
-        if key in self._acks:
+        kept = self._acks.get(key) or self._refusals.get(key)
+        if kept is not None:
             self.stats.duplicates += 1
-            router.send_multipart([identity, self._acks[key]])
+            router.send_multipart([identity, kept])
             return
         if key in self._pending:
             self.stats.duplicates += 1
             self._pending[key] = identity  # the ack goes to the latest attempt
             return
+        answered = self._answered.get(request.client)
+        if answered is not None and request.req <= answered:
+            self.stats.stale += 1
+            self._refuse_now(router, identity, request, (
+                f"request {request.req} of client {request.client} was answered long ago (its ack is no "
+                "longer kept): not applied again"))
+            return
         refusal = self._refusal(request)
         if refusal:
             self.stats.refused += 1
-            body = encode_reply("ack", client=request.client, req=request.req, op=request.op,
-                                ok=False, result={}, error=refusal)
-            self._remember(key, body)
-            router.send_multipart([identity, body])
+            self._remember(self._refusals, key, self._refuse_now(router, identity, request, refusal))
             return
+        size = len(frames[1])
+        if len(self._pending) >= self._max_queued or self._queued_bytes + size > self._max_queued_bytes:
+            self.stats.overflow += 1  # not kept: a retry once the queue has room is served
+            self._refuse_now(router, identity, request, (
+                f"the trainer has {len(self._pending)} requests ({self._queued_bytes} bytes) waiting, the most "
+                f"it queues ({self._max_queued}, {self._max_queued_bytes} bytes): refused, ask again later"))
+            return
+        self._pending_bytes[key] = size
+        self._queued_bytes += size
         self._pending[key] = identity
         self.inbox.append(request)
         if self.on_request is not None:

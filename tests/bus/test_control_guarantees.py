@@ -61,10 +61,55 @@ def test_stored_acks_are_bounded_and_a_retry_of_a_kept_one_gets_its_ack_not_a_se
         assert client.request("checkpoint", req=3, **once) == first[2]
         assert trainer.applied == [("c", 1), ("c", 2), ("c", 3)]
         assert (server.stats.received, server.stats.duplicates) == (5, 2)
-        # the oldest was forgotten to keep the bound: a retry of it this late is new again
-        assert client.request("checkpoint", req=1, **once).result["order"] == 4
+        # the oldest ack was forgotten to keep the bound, but not that request 1 was answered:
+        # a retry of it this late is refused, never applied a second time
+        late = client.request("checkpoint", req=1, **once)
+        assert not late.ok and "was answered long ago" in late.error and "not applied again" in late.error
         assert client.attempts == 6
-    assert (server.stats.received, server.stats.acked) == (6, 4)
+    assert (server.stats.received, server.stats.acked, server.stats.stale) == (6, 3, 1)
+    assert trainer.applied == [("c", 1), ("c", 2), ("c", 3)]
+
+
+def test_refused_garbage_never_pushes_out_the_ack_a_retry_of_an_applied_request_needs(small_server):
+    server, trainer = small_server
+    once = {"timeout": 10, "retry": 10}
+    with ControlClient(server.endpoint, client_id="c") as client:
+        applied = client.request("checkpoint", req=1, **once)
+        with ControlClient(server.endpoint, client_id="junk") as junk:
+            for req in range(1, 20):  # far more refusals than the 2 acks kept
+                assert not junk.request("reboot", req=req, **once).ok
+        assert client.request("checkpoint", req=1, **once) == applied  # its own ack, from memory
+    assert trainer.applied == [("c", 1)]
+
+
+def test_requests_past_the_queue_bound_are_refused_at_once_and_a_later_retry_is_served():
+    server = ControlServer(max_queued=2, max_queued_bytes=1 << 20)
+    server.start()
+    try:
+        once = {"timeout": 10, "retry": 10}
+        acks, threads = {}, []
+        for name in ("a", "b"):  # nobody polls yet: these two wait in the queue
+            def ask(name=name):
+                with ControlClient(server.endpoint, client_id=name) as client:
+                    acks[name] = client.request("halt", {"reason": name}, req=1, **once)
+            threads.append(threading.Thread(target=ask, daemon=True))
+            threads[-1].start()
+        wait_until(lambda: len(server._pending) == 2, 5, "two queued requests")
+        with ControlClient(server.endpoint, client_id="c") as client:
+            refused = client.request("halt", {"reason": "c"}, req=1, **once)
+            assert not refused.ok and "2 requests" in refused.error and "ask again later" in refused.error
+            assert server.stats.overflow == 1
+            big = client.request("halt", {"reason": "x" * (1 << 20)}, req=2, **once)  # past the byte bound
+            assert not big.ok and "bytes) waiting" in big.error
+            trainer = Trainer(server)  # the queue drains
+            for thread in threads:
+                thread.join(10)
+            assert acks["a"].ok and acks["b"].ok
+            assert client.request("halt", {"reason": "c"}, req=1, **once).ok  # not remembered: served now
+            trainer.stop()
+        assert server._queued_bytes == 0 and server.stats.overflow == 2
+    finally:
+        server.close()
 
 
 def test_a_refused_request_retried_gets_the_same_refusal_and_is_refused_once(small_server):
