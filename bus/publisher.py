@@ -72,6 +72,9 @@ DEFAULT_RETAINED = frozenset(
 _HB_PREFIX = topic_prefix(HEARTBEAT_TOPIC)
 _DRAIN_EVERY = 4096  # the publishing socket's own copy of the subscriptions is drained this often
 HOLD_AT_MOST = 256  # held events sent anyway once this many wait
+#: open topic prefixes (subscriptions not ending in a full topic) matched one by one on
+#: the training thread; beyond this many, every topic is published (see _track_subscriptions)
+MAX_OPEN_PREFIXES = 64
 #: the largest message a peer may send into the events socket: (un)subscriptions are a
 #: byte and a topic prefix; anything longer is not one
 MAX_SUBSCRIPTION_BYTES = 4096
@@ -129,6 +132,8 @@ class Publisher:
         self._burst = False  # someone takes bursts (a subscriber of everything)
         #: messages a peer sent into the events socket that were not (un)subscriptions
         self.foreign_messages = 0
+        #: more than MAX_OPEN_PREFIXES open prefixes were subscribed at once, at some point
+        self.prefix_overflow = False
         # open prefixes: topics outside RUN_TOPICS that they select join `_wanted` (and,
         # for a prefix other than the burst's, `_single`) the first time they are published
         self._open_prefixes: tuple[str, ...] = ()
@@ -522,7 +527,16 @@ class Publisher:
                 wanted |= frozenset(RUN_TOPICS) | frozenset(seen)
             self._single, self._single_prefixes = frozenset(single), prefixes
             self._burst = burst
-            self._open_prefixes = ("",) if burst else prefixes
+            # more open prefixes than MAX_OPEN_PREFIXES: matched as one, "everything" (the
+            # events socket still filters per subscriber), so the training thread's check of
+            # a new topic stays one startswith, whatever a peer subscribes to
+            crowded = len(prefixes) > MAX_OPEN_PREFIXES
+            if crowded and not self.prefix_overflow:
+                log.warning("offloop: %d open topic prefixes subscribed (more than %d): every topic is "
+                            "published from now on, and each subscriber's socket filters", len(prefixes),
+                            MAX_OPEN_PREFIXES)
+            self.prefix_overflow = self.prefix_overflow or crowded
+            self._open_prefixes = ("",) if burst or crowded else prefixes
             current = self._wanted  # in place, each step one C call: no topic still wanted goes missing
             current |= wanted
             current -= current - wanted

@@ -82,3 +82,28 @@ def test_a_message_that_is_not_a_subscription_changes_no_subscription_and_is_cou
         publisher.publish("batch_end", (0, 2, 2, 2, 0), {"i": 2})
         assert sub.recv(timeout=5).data == {"i": 2}
         assert publisher.foreign_messages == 1 and publisher.wants("batch_end")
+
+
+def test_many_open_prefixes_are_matched_as_one_and_a_subscriber_still_gets_its_topic(publisher):
+    import zmq
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(publisher.endpoints["events"])
+    try:
+        for i in range(100):  # open prefixes: not whole topics
+            sub.setsockopt(zmq.SUBSCRIBE, f"zz{i}".encode())
+        sub.setsockopt(zmq.SUBSCRIBE, b"cust")
+        wait_until(lambda: publisher.prefix_overflow, 5, "the prefixes to be tracked")
+        assert publisher._open_prefixes == ("",)  # one startswith on the training thread, not 101
+        for _ in range(50):  # until the subscription has reached the events socket
+            publisher.publish("custom_metric", (0, 1, 1, 1, 0), {"x": 1})
+            if sub.poll(100):
+                break
+        frames = sub.recv_multipart()
+        assert frames[0].startswith(b"custom_metric")
+        publisher.publish("other_topic", (0, 1, 1, 1, 0), {"x": 2})  # published, filtered by the socket
+        assert not sub.poll(300)
+    finally:
+        sub.close(linger=0)
+        ctx.term()
