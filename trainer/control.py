@@ -190,29 +190,31 @@ class Control:
 
     # ---------------------------------------------------------------- SIGTERM
 
-    def install_sigterm(self, close: Callable[[], None]) -> None:
+    def install_sigterm(self) -> None:
         """SIGTERM: the loop stops after its batch, checkpoints (checkpoint_on_sigterm) and
-        publishes fit_end; outside fit() the run is closed at once. Then the process exits."""
+        publishes fit_end; outside fit() the process exits at once and atexit closes the run
+        (never from inside the handler). The handler holds this Control weakly: a closed
+        Trainer is freed even while a later Trainer's handler chains to its own."""
         if multiprocessing.current_process().name != "MainProcess":
             return
         try:
             previous = signal.getsignal(signal.SIGTERM)
         except ValueError:
             return
-        close_ref = weakref.WeakMethod(close)  # a closed Trainer is not kept alive by its handler
+        control_ref = weakref.ref(self)
 
         def handler(signum, frame):
-            if self.closed:
+            control = control_ref()
+            if control is None or control.closed:
                 if callable(previous):
                     previous(signum, frame)
                 raise SystemExit(128 + signum)
-            self.sigterm = True
-            if not self.agreement.active:  # under torchrun the ranks agree at the next batch end
-                self.stop = True
-            if not self.in_fit:
-                closing = close_ref()
-                if closing is not None:
-                    closing()
+            control.sigterm = True
+            if not control.agreement.active:  # under torchrun the ranks agree at the next batch end
+                control.stop = True
+            if not control.in_fit:
+                # the run is closed by atexit once this exit has unwound the main thread: closing
+                # here could wait for a lock the interrupted code holds (the publisher's send)
                 raise SystemExit(128 + signum)
 
         try:

@@ -175,7 +175,7 @@ class Trainer:
         if self.rank == 0:
             self.workers.start()  # every worker listens before init is published
         atexit.register(self.close)
-        self.controller.install_sigterm(self.close)  # fit_end always; checkpoint_on_sigterm decides the checkpoint
+        self.controller.install_sigterm()  # fit_end always; checkpoint_on_sigterm decides the checkpoint
         emit = self.emitter.emit
         emit(Topic.INIT, self.timestamp.as_tuple(), {"config": self.config()})
         # as in Composer, both fire on every run, with a checkpoint to load or not
