@@ -72,6 +72,8 @@ DEFAULT_RETAINED = frozenset(
 _HB_PREFIX = topic_prefix(HEARTBEAT_TOPIC)
 _DRAIN_EVERY = 4096  # the publishing socket's own copy of the subscriptions is drained this often
 HOLD_AT_MOST = 256  # held events sent anyway once this many wait
+#: late-join requests answered together in one round of the service thread (one settle wait)
+STATE_BATCH = 64
 #: open topic prefixes (subscriptions not ending in a full topic) matched one by one on
 #: the training thread; beyond this many, every topic is published (see _track_subscriptions)
 MAX_OPEN_PREFIXES = 64
@@ -542,7 +544,11 @@ class Publisher:
             current -= current - wanted
 
     def _answer(self, router: zmq.Socket, watcher: zmq.Socket) -> None:
-        while router.poll(0):
+        """Answer what waits at the state socket, STATE_BATCH requests a round: info and bad
+        requests at once, the late-join requests together (one settle wait and one
+        snapshot for all of them), so a backlog never holds up heartbeats or close()."""
+        joiners: list[tuple[bytes, list[str] | None]] = []
+        while len(joiners) < STATE_BATCH and router.poll(0):
             frames = router.recv_multipart(copy=False)
             identity, body = frames[0].bytes, frames[-1]
             try:  # a state_req's topics are checked there; an info_req's other fields are not read
@@ -554,20 +560,7 @@ class Publisher:
             kind = request["k"]
             if kind == "state_req":
                 self.state_requests += 1
-                # The joiner trusts this state only once it has received the heartbeat sent
-                # just before it: it passed the publishing socket's filter, so the joiner's
-                # subscriptions had reached that socket (the proxy writes them to the
-                # watcher's pipe in the same call). Then the wanted set is refreshed, and
-                # the publishing socket gets time to apply them (libzmq applies
-                # subscriptions on a send at most once per ~1 ms), so nothing published
-                # after the state is filtered out.
-                self._beat()
-                self._track_subscriptions(watcher)
-                time.sleep(_SUBSCRIPTION_SETTLE)
-                with self._send_lock:  # what is held leaves first: the state then has it
-                    self._release_held()
-                    frames = self._state_frames(request["topics"])
-                router.send_multipart([identity, *frames], copy=False)
+                joiners.append((identity, request["topics"]))
             elif kind == "info_req":
                 router.send_multipart([identity, encode_reply("info", run=self.run_info)])
             else:
@@ -575,29 +568,48 @@ class Publisher:
                 router.send_multipart(
                     [identity, encode_reply("error", error=f"{kind!r} is not served on the state socket")]
                 )
+        if not joiners:
+            return
+        # A joiner trusts this state only once it has received the heartbeat sent just
+        # before it: it passed the publishing socket's filter, so the joiner's subscriptions
+        # had reached that socket (the proxy writes them to the watcher's pipe in the same
+        # call). Then the wanted set is refreshed, and the publishing socket gets time to
+        # apply them (libzmq applies subscriptions on a send at most once per ~1 ms), so
+        # nothing published after the state is filtered out.
+        self._beat()
+        self._track_subscriptions(watcher)
+        time.sleep(_SUBSCRIPTION_SETTLE)
+        with self._send_lock:  # what is held leaves first: the state then has it
+            self._release_held()
+            snapshot = self._state_snapshot()
+        for identity, topics in joiners:
+            router.send_multipart([identity, *self._state_frames(snapshot, topics)], copy=False)
 
-    def _state_frames(self, topics: list[str] | None) -> list:
-        """The late-join state: a header naming each entry's frame count, then the entries.
-        Under _send_lock, where every numbered event is also the latest of its topic: the
-        counters are those of the entries, so none counts an event the state does not hold."""
-        snapshot = sorted(self._latest.values(), key=lambda event: event[1])
-        seq, tseq = self.seq, dict(self._tseq)
-        if topics is not None:
-            wanted = set(topics)
-            snapshot = [event for event in snapshot if event[0] in wanted]
+    def _state_snapshot(self) -> tuple:
+        """Under _send_lock, where every numbered event is also the latest of its topic: the
+        latest events, encoded, with counters that count none the state does not hold."""
         entries = []
-        for event in snapshot:
+        for event in sorted(self._latest.values(), key=lambda event: event[1]):
             try:
-                entries.append(self._state_encoder.encode_event(event))
+                entries.append((event[0], self._state_encoder.encode_event(event)))
             except Exception:  # counted when it was released; a late joiner starts after it
                 continue
+        return self.seq, dict(self._tseq), self.beats, entries
+
+    def _state_frames(self, snapshot: tuple, topics: list[str] | None) -> list:
+        """The late-join state: a header naming each entry's frame count, then the entries
+        (those of `topics`, or all)."""
+        seq, tseq, beats, entries = snapshot
+        if topics is not None:
+            wanted = set(topics)
+            entries = [(topic, frames) for topic, frames in entries if topic in wanted]
         header = encode_reply(
             "state", run=self.run_id, pub=self.publisher_id, rank=self.rank, seq=seq,
-            tseq=tseq, beat=self.beats, config=self.config,
-            entries=[len(frames) for frames in entries],
+            tseq=tseq, beat=beats, config=self.config,
+            entries=[len(frames) for _, frames in entries],
         )
         out: list = [header]
-        for frames in entries:
+        for _, frames in entries:
             out.extend(frames)
         return out
 

@@ -107,3 +107,32 @@ def test_many_open_prefixes_are_matched_as_one_and_a_subscriber_still_gets_its_t
     finally:
         sub.close(linger=0)
         ctx.term()
+
+
+def test_a_backlog_of_late_join_requests_is_answered_in_rounds_with_one_settle_wait_each(publisher, monkeypatch):
+    import zmq
+
+    import offloop.bus.publisher as module
+    from offloop.bus.wire import encode_request
+
+    settles = []
+    real_sleep = module.time.sleep
+    monkeypatch.setattr(module.time, "sleep", lambda s: (settles.append(s), real_sleep(s))[1])
+    publisher.publish("batch_end", (0, 1, 1, 1, 0), {"i": 1})
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(publisher.endpoints["state"])
+    try:
+        for _ in range(200):
+            dealer.send(encode_request("state_req", topics=None))
+        replies = 0
+        while replies < 200 and dealer.poll(10_000):
+            frames = dealer.recv_multipart()
+            replies += 1
+        assert replies == 200 and publisher.state_requests == 200
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+    waits = [s for s in settles if s == module._SUBSCRIPTION_SETTLE]
+    assert len(waits) <= 20  # one a round of up to STATE_BATCH (64), not one a request (200 before)
+    assert frames  # each answer a whole state: header then its entries
