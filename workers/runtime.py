@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from collections import defaultdict
@@ -325,6 +326,22 @@ def _wanted(callback) -> frozenset[str] | None:
     return wanted() if wanted is not None else Callback.wanted_topics.__func__(type(callback))
 
 
+def _exit_with_trainer(conn, grace: float, name: str) -> None:
+    """The trainer sends nothing on the socket pair after start-up, so it turns readable
+    only when the trainer's end closes: the trainer closed the run, or its process died.
+    A worker normally ends on its own by then (fit_end, the stream's end, or its heartbeat
+    timeout); one whose main thread is stuck inside a callback would outlive its trainer,
+    so after `grace` seconds it exits here."""
+    try:
+        conn.poll(None)
+    except (OSError, EOFError, ValueError):  # closed under us: the worker is ending anyway
+        return
+    time.sleep(grace)
+    print(f"offloop worker {name}: its trainer is gone and a callback has not returned for {grace:g}s: "
+          "exiting without closing the callbacks", file=sys.stderr, flush=True)
+    os._exit(4)
+
+
 def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: str | None = None,
                             heartbeat_timeout: float = 10.0, index: int | None = None,
                             loggers: list | None = None, builtins: dict[str, dict] | None = None) -> None:
@@ -358,6 +375,9 @@ def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: str | Non
         conn.send(("error", (None, f"could not join the run: {exc}")))
         raise SystemExit(2) from None
     conn.send(("ready", None))
+    grace = 2 * heartbeat_timeout + 5
+    threading.Thread(target=_exit_with_trainer, args=(conn, grace, worker.name), daemon=True,
+                     name="offloop-trainer-watch").start()
 
     def tell(kind: str, payload: dict) -> None:
         try:

@@ -177,6 +177,30 @@ def test_a_trainer_killed_with_sigkill_is_noticed_by_its_workers_which_close_and
            steps_seen=len(closed["steps"]))
 
 
+def test_a_worker_stuck_in_a_callback_exits_once_its_trainer_is_killed(spawn, tmp_path):
+    child = spawn("stuck_worker_trainer", tmp_path / "run")
+    worker = child.line(timeout=60)["worker"]
+    time.sleep(2)  # the callback is stuck by now (batch 3 comes at about 0.15 s)
+    os.kill(child.popen.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    # its heartbeat timeout (3 s) cannot fire: the main thread never returns from the callback;
+    # the watch on the trainer's socket pair ends it after 2 x 3 + 5 s
+    deadline = killed + 11 + 30
+    while Path(f"/proc/{worker}").exists() and "zombie" not in _status(worker):
+        assert time.monotonic() < deadline, f"worker {worker} outlived its trainer"
+        time.sleep(0.1)
+    assert time.monotonic() - killed >= 11 - 1  # not before its grace
+    child.wait(timeout=5)
+    assert "its trainer is gone and a callback has not returned" in child.stderr()
+
+
+def _status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "zombie"
+
+
 # ------------------------------------------------------------------------------ SIGTERM
 
 
