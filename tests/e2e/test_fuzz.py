@@ -41,6 +41,7 @@ from offloop.bus.wire import (
     encode_heartbeat,
     encode_request,
 )
+from offloop.bus.wire.values import BURST_PREFIX
 from offloop.trainer import Trainer
 
 EXAMPLES = 3000
@@ -676,6 +677,56 @@ def test_bad_requests_at_the_state_socket_are_counted_and_heartbeats_keep_flowin
     assert pub.bad_requests == tried["bad"] and tried["bad"] >= 800
     report("state_socket_fuzz", examples=tried["bad"] + tried["valid"], **tried,
            counted_bad_requests=pub.bad_requests)
+
+
+EVENTS_SOCKET_INPUTS = st.one_of(
+    st.binary(max_size=300),
+    st.tuples(st.sampled_from([b"\x00", b"\x01"]), st.binary(max_size=40)).map(b"".join),  # (un)subscriptions
+    st.tuples(st.binary(min_size=1, max_size=1).filter(lambda b: b[0] > 1),
+              st.sampled_from([BURST_PREFIX, b"batch_end\0", b"", b"_hb"])).map(b"".join),
+)
+
+
+def test_anything_a_peer_sends_into_the_events_socket_leaves_every_subscriber_served():
+    pub = Publisher("fuzz-events", heartbeat_interval=0.1)
+    pub.start()
+    ctx = zmq.Context()
+    everything = Subscriber(pub.endpoints["events"], pub.endpoints["state"], context=ctx)  # bursts
+    one_topic = Subscriber(pub.endpoints["events"], pub.endpoints["state"], topics=["batch_end"], context=ctx)
+    peer = ctx.socket(zmq.XSUB)
+    peer.linger = 0
+    tried = {"examples": 0, "not_subscriptions": 0}
+    try:
+        for sub in (everything, one_topic):
+            sub.connect(join_timeout=30)
+        peer.connect(pub.endpoints["events"])
+        step = [0]
+
+        @settings(FUZZ, max_examples=2000)
+        @given(EVENTS_SOCKET_INPUTS)
+        @example(b"X" + BURST_PREFIX)  # read as "unsubscribe from bursts" before issue 24
+        def one(message):
+            peer.send(message)
+            tried["examples"] += 1
+            tried["not_subscriptions"] += not message or message[0] > 1
+            step[0] += 1
+            assert pub.publish("batch_end", (0, step[0], step[0], step[0], 0), {"step": step[0]})
+            for sub in (everything, one_topic):  # the next event, in order, to each: none lost
+                got = sub.recv(timeout=10)
+                assert got is not None and got.topic == "batch_end" and got.data == {"step": step[0]}, got
+            assert pub._threads[1].is_alive(), "the publisher's service thread died"
+
+        one()
+        wait_until(lambda: pub.foreign_messages == tried["not_subscriptions"], 10,
+                   "every message that is not a subscription counted")
+        assert everything.stats.gaps == one_topic.stats.gaps == 0
+    finally:
+        peer.close()
+        for sub in (everything, one_topic):
+            sub.close()
+        ctx.term()
+        pub.close(linger=0.1)
+    report("events_socket_fuzz", **tried, counted_foreign=pub.foreign_messages)
 
 
 # ------------------------------------------- the oracle, and the rules the product breaks
