@@ -47,12 +47,14 @@ import time
 import torch
 import torch.nn.functional as F
 import torchmetrics
+import trainer_overhead  # beside this script: its large model
 
 from offloop.callbacks import CheckpointSaver, EarlyStopper, LRMonitor, SpeedMonitor
 from offloop.loggers import TensorboardLogger, WandBLogger
 from offloop.trainer import Trainer
 
-SEED, LR, WIDTHS, BATCH, EVAL_BATCHES = 1234, 0.01, (784, 512, 512, 10), 64, 4
+SEED, LR, EVAL_BATCHES = trainer_overhead.SEED, trainer_overhead.LR, 4
+WIDTHS, BATCH = trainer_overhead.SIZES["large"]
 TARGET = 1.05  # issue 23: the like set with both loggers, against the hand-written loop
 
 
@@ -76,13 +78,7 @@ def make_batches(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(SEED)
-    layers: list[torch.nn.Module] = []
-    for i, (n_in, n_out) in enumerate(zip(WIDTHS, WIDTHS[1:], strict=False)):
-        layers += [torch.nn.ReLU()] if i else []
-        layers.append(torch.nn.Linear(n_in, n_out))
-    model = torch.nn.Sequential(*layers)
-    return model, torch.optim.SGD(model.parameters(), lr=LR)
+    return trainer_overhead.make_model("large")  # the same model, seed and optimizer
 
 
 class HandLoop:

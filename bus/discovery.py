@@ -70,11 +70,16 @@ def write_run_info(run_dir: str | os.PathLike, info: RunInfo) -> Path:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     info.run_dir = str(run_dir.resolve())
-    target = run_dir / RUN_FILE
-    fd, tmp = tempfile.mkstemp(prefix=".run.", suffix=".json", dir=run_dir)
+    return write_json_atomically(run_dir / RUN_FILE, info.to_dict(), indent=2, sort_keys=True)
+
+
+def write_json_atomically(target: Path, data: Any, **dump: Any) -> Path:
+    """`data` as JSON in `target`, all or nothing: written to a temporary file beside it,
+    fsynced, then renamed over it, so a reader never sees half a file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "w") as out:
-            json.dump(info.to_dict(), out, indent=2, sort_keys=True)
+            json.dump(data, out, **dump)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, target)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from offloop.bus import Timestamp
+from offloop.bus.discovery import write_json_atomically
 
 __all__ = ["stateful", "sidecar", "save_states", "load_states", "FORMAT"]
 
@@ -79,17 +79,7 @@ def save_states(checkpoint: str, worker: int, callbacks: list, warned: set) -> P
     path = sidecar(checkpoint, worker)
     if not path.parent.is_dir():
         return None
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump({"format": FORMAT, "checkpoint": Path(checkpoint).name, "callbacks": entries}, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_json_atomically(path, {"format": FORMAT, "checkpoint": Path(checkpoint).name, "callbacks": entries})
 
 
 def load_states(checkpoint: str, worker: int, callbacks: list) -> int:

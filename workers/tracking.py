@@ -51,7 +51,22 @@ def _patterns(owner: str, name: str, value: Any) -> list[str]:
     return list(value)
 
 
-class MLFlowLogger(LoggerDestination):
+class _TrackerLogger(LoggerDestination):
+    """What both trackers share: their live client is not sent to the worker (`_LIVE`), and
+    `init` says whether this rank logs and its run still has to be opened."""
+
+    _LIVE: tuple[str, ...] = ("_state",)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, **dict.fromkeys(self._LIVE)}
+
+    def _opens_here(self, state, opened: bool) -> bool:
+        self._state = state
+        self._enabled = not self.rank_zero_only or state.rank == 0
+        return self._enabled and not opened
+
+
+class MLFlowLogger(_TrackerLogger):
     """Composer's MLFlowLogger: one MLflow run per training run, in `experiment_name`
     (`$MLFLOW_EXPERIMENT_NAME` or "Default"), named after the run unless `run_name` is
     given; metrics (an unchanged value is sent again only every
@@ -94,13 +109,10 @@ class MLFlowLogger(LoggerDestination):
         self._cache: dict[str, tuple[float, int]] = {}
         self._last_flush = 0.0
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_client": None, "_state": None}
+    _LIVE = ("_client", "_state")
 
     def init(self, state, logger) -> None:
-        self._state = state
-        self._enabled = not self.rank_zero_only or state.rank == 0
-        if not self._enabled or self.run_id is not None:
+        if not self._opens_here(state, self.run_id is not None):
             return
         if self.logging_buffer_seconds:
             os.environ["MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS"] = str(self.logging_buffer_seconds)
@@ -200,7 +212,7 @@ def _unit_range(image: np.ndarray) -> np.ndarray:
     return np.clip(image.astype(np.float32), 0.0, 1.0)
 
 
-class WandBLogger(LoggerDestination):
+class WandBLogger(_TrackerLogger):
     """Composer's WandBLogger: a wandb run named after the training run unless `name` is
     given (`-rank{N}` added with `rank_zero_only=False`, grouped by the run's name);
     metrics with `run.log` at their step, hyperparameters in `run.config`, images and
@@ -228,13 +240,10 @@ class WandBLogger(LoggerDestination):
         self._state = None
         self._run = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_run": None, "_state": None}
+    _LIVE = ("_run", "_state")
 
     def init(self, state, logger) -> None:
-        self._state = state
-        self._enabled = not self.rank_zero_only or state.rank == 0
-        if not self._enabled or self._run is not None:
+        if not self._opens_here(state, self._run is not None):
             return
         import wandb
 

@@ -17,13 +17,24 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Prometheus", "free_port", "scrape_config", "scrape"]
+__all__ = ["Prometheus", "free_port", "scrape_config", "scrape", "stop"]
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    """Terminate a server process the test started, and kill it if it will not go."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
 
 
 def scrape_config(targets: list[str], interval: str = "500ms", job: str = "offloop") -> str:
@@ -71,13 +82,7 @@ class Prometheus:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=5)
+        stop(self._proc)
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

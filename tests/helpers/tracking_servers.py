@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from helpers.prometheus_server import free_port
+from helpers.prometheus_server import free_port, stop
 
 __all__ = ["MlflowServer", "wandb_records", "wandb_history"]
 
@@ -57,13 +57,7 @@ class MlflowServer:
             time.sleep(0.2)
 
     def __exit__(self, *exc: object) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=5)
+        stop(self._proc)
 
 
 # wandb's run file: a 7-byte header (":W&B", magic 0xBEE1, version), then LevelDB's log

@@ -34,6 +34,17 @@ class Algorithm:
         pass
 
 
+class _Live:
+    """A LoopState attribute read from the trainer at each access (the trainer replaces
+    some of them, such as its timestamp, as it trains)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, state: LoopState | None, owner: type) -> Any:
+        return self if state is None else getattr(state._trainer, self.name)
+
+
 class LoopState:
     """What an algorithm sees of the run, live, in the training process: Composer's names
     (`model`, `optimizers`, `schedulers`, `timestamp`, `max_duration`, `run_name`,
@@ -41,22 +52,13 @@ class LoopState:
     `get_elapsed_duration()`). Unlike a callback's State it is the real thing: an
     algorithm may change the model's weights and gradients, or the optimizers."""
 
+    model, optimizers, schedulers = _Live(), _Live(), _Live()
+    max_duration, run_name, rank, world_size, device, precision = (_Live() for _ in range(6))
+
     def __init__(self, trainer) -> None:
         self._trainer = trainer
         self.dataloader_label: str | None = None
         self._counted: tuple = (None, None)  # (the trainer's Timestamp, its counted copy)
-
-    @property
-    def model(self):
-        return self._trainer.model
-
-    @property
-    def optimizers(self) -> list:
-        return self._trainer.optimizers
-
-    @property
-    def schedulers(self) -> list:
-        return self._trainer.schedulers
 
     @property
     def timestamp(self) -> Timestamp:
@@ -65,30 +67,6 @@ class LoopState:
         if self._counted[0] is not live:
             self._counted = (live, Timestamp.counted(*(getattr(live, name) for name in FIELDS)))
         return self._counted[1]
-
-    @property
-    def max_duration(self) -> Time | None:
-        return self._trainer.max_duration
-
-    @property
-    def run_name(self) -> str:
-        return self._trainer.run_name
-
-    @property
-    def rank(self) -> int:
-        return self._trainer.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._trainer.world_size
-
-    @property
-    def device(self):
-        return self._trainer.device
-
-    @property
-    def precision(self) -> str:
-        return self._trainer.precision
 
     def get_elapsed_duration(self) -> float | None:
         """The fraction of max_duration trained, in its unit (Composer's; None without one)."""
