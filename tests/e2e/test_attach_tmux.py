@@ -8,6 +8,7 @@ import shlex
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ class Tmux:
     def screen(self) -> str:
         out = subprocess.run([*self.args, "capture-pane", "-p", "-t", "t"], capture_output=True,
                              text=True, timeout=10)
-        return out.stdout
+        return out.stdout if out.returncode == 0 else f"(capture-pane failed: {out.stderr.strip()})"
 
     def wait_for(self, pattern: str, timeout: float = 30) -> re.Match:
         deadline = time.monotonic() + timeout
@@ -51,7 +52,9 @@ class Tmux:
 
 @pytest.fixture
 def tmux():
-    session = Tmux(f"offloop-test-{os.getpid()}")
+    # a server of its own per test: reusing one name, a test could start its session on the
+    # server the test before it was still killing (seen once in CI: an empty screen)
+    session = Tmux(f"offloop-test-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     yield session
     session.kill()
 
