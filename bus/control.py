@@ -297,7 +297,7 @@ class ControlServer:
                 f"request {request.req} of client {request.client} was answered long ago (its ack is no "
                 "longer kept): not applied again"))
             return
-        refusal = self._refusal(request)
+        refusal = self._refusal(request, frames[1])
         if refusal:
             self.stats.refused += 1
             self._remember(self._refusals, key, self._refuse_now(router, identity, request, refusal))
@@ -316,18 +316,19 @@ class ControlServer:
         if self.on_request is not None:
             self.on_request()
 
-    def _refusal(self, request: ControlRequest) -> str | None:
+    def _refusal(self, request: ControlRequest, frame: zmq.Frame) -> str | None:
         if request.op not in OPS:
             return f"unknown control op {request.op!r}; valid ops are {', '.join(OPS)}"
         refusal = control_refusal(request.op, request.args)  # a file name outside the folder
         if refusal:
             return refusal
-        if self._authorize is not None:
+        # with keys: the role of the key this connection authenticated with, as authorised now
+        reason = self._curve.access.refusal(frame.get("User-Id"), request.op) if self._curve is not None else None
+        if reason is None and self._authorize is not None:
             reason = self._authorize(request)
-            if reason:
-                self.stats.unauthorized += 1
-                return reason
-        return None
+        if reason:
+            self.stats.unauthorized += 1
+        return reason
 
     def close(self) -> None:
         if self._thread is not None:

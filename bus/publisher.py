@@ -80,6 +80,10 @@ MAX_OPEN_PREFIXES = 64
 #: the largest message a peer may send into the events socket: (un)subscriptions are a
 #: byte and a topic prefix; anything longer is not one
 MAX_SUBSCRIPTION_BYTES = 4096
+#: events messages this large or larger are sent tracked, counted against max_queued_bytes
+#: until libzmq has handed them to every subscriber's connection; smaller ones (a step's
+#: burst is 1-2 KiB) are bounded by the subscriber queue's message count alone
+TRACKED_BYTES = 4096
 _STALL_CHECK = 0.05  # seconds: held events older than this (and the interval) leave from the service thread
 _SUBSCRIPTION_SETTLE = 0.01  # seconds; libzmq's max_command_delay is 3M TSC ticks (~1 ms)
 
@@ -97,6 +101,7 @@ class Publisher:
         state_port: int = 0,
         queue_size: int = 10_000,
         subscriber_hwm: int = 10_000,
+        max_queued_bytes: int = 64 << 20,
         heartbeat_interval: float = 0.5,
         retained: frozenset[str] = DEFAULT_RETAINED,
         limits: Limits = DEFAULT_LIMITS,
@@ -105,6 +110,8 @@ class Publisher:
     ) -> None:
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+        if max_queued_bytes < 1:
+            raise ValueError(f"max_queued_bytes must be >= 1, got {max_queued_bytes}")
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
         self.run_id, self.rank = run_id, rank
@@ -117,8 +124,19 @@ class Publisher:
         self.drops = 0
         self.state_requests = 0
         self.bad_requests = 0
+        #: state and info requests refused: their key is no longer authorised (with keys)
+        self.unauthorized = 0
+        #: times every events connection was cut because a key lost its role (with keys)
+        self.cuts = 0
         self.beats = 0
         self.unencodable = 0  # held events left out at release(): a value the wire cannot carry
+        #: the bound in bytes: large messages (TRACKED_BYTES or more) not yet written to every
+        #: subscriber's connection may hold this much; one more is dropped and counted in
+        #: `drops` (heartbeats carry it) and in `byte_drops`
+        self.max_queued_bytes = max_queued_bytes
+        self.byte_drops = 0
+        self._in_flight: deque[tuple[zmq.MessageTracker, int]] = deque()  # under _send_lock
+        self.queued_bytes = 0
         for topic in retained:
             _check_topic(topic)
         self._retained = frozenset(retained)
@@ -168,6 +186,8 @@ class Publisher:
         self.endpoints: dict[str, str] = {}
         self._closed = False
         self._curve = curve  # bus.security.ServerKeys: the public sockets become CURVE servers
+        self._cut = threading.Event()  # the proxy thread's cue to drop every events connection
+        self._revocations_seen = curve.access.revocations if curve is not None else 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -212,7 +232,7 @@ class Publisher:
 
         self.endpoints = {"events": events, "state": state}
         self._threads = [
-            threading.Thread(target=_run_proxy, args=(front, back, proxy_ctl), daemon=True,
+            threading.Thread(target=_run_proxy, args=(front, back, proxy_ctl, self._cut, events), daemon=True,
                              name="offloop-proxy"),
             threading.Thread(target=self._serve, args=(watcher, router, stop), daemon=True,
                              name="offloop-publisher"),
@@ -331,14 +351,40 @@ class Publisher:
         return seq, first
 
     def _send(self, frames: list) -> bool:
+        """Send one message; a full queue, or the byte bound, drops and counts it. Under _send_lock."""
         try:
-            if len(frames) == 1:
+            if len(frames) == 1 and len(frames[0]) < TRACKED_BYTES:  # the usual message: small, copied
                 self._tx.send(frames[0], zmq.NOBLOCK)
-            else:
+                return True
+            size = sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+            if size < TRACKED_BYTES:
                 self._tx.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                return True
+            return self._send_tracked(frames, size)
         except zmq.Again:
             self.drops += 1
             return False
+
+    def _send_tracked(self, frames: list, size: int) -> bool:
+        """A large message, counted in `queued_bytes` until libzmq lets go of its last frame
+        (each subscriber's connection takes a message's frames in order, so the last one is
+        released last): by then every subscriber's kernel buffer has it, or its queue
+        dropped it. Libzmq keeps one copy for all subscribers, so this bounds them together."""
+        in_flight = self._in_flight
+        while in_flight and in_flight[0][0].done:
+            self.queued_bytes -= in_flight.popleft()[1]
+        if self.queued_bytes + size > self.max_queued_bytes:
+            self.drops += 1
+            self.byte_drops += 1
+            if self.byte_drops == 1 or self.byte_drops % 1000 == 0:
+                log.warning("offloop: an events message of %d bytes was dropped (%d so far): %d bytes of "
+                            "messages still wait for a subscriber that is not reading (max_queued_bytes %d)",
+                            size, self.byte_drops, self.queued_bytes, self.max_queued_bytes)
+            return False
+        last = zmq.Frame(frames[-1], copy=False, track=True)
+        self._tx.send_multipart([*frames[:-1], last], zmq.NOBLOCK, copy=False)
+        in_flight.append((last.tracker, size))
+        self.queued_bytes += size
         return True
 
     def _opens(self, topic: str) -> bool:
@@ -462,6 +508,7 @@ class Publisher:
                 if now >= next_beat:
                     self._beat()
                     next_beat = now + self.heartbeat_interval
+                    self._cut_revoked()
                 wait = max(0.0, next_beat - time.monotonic())
                 if self._holding:
                     wait = min(wait, _STALL_CHECK)
@@ -477,6 +524,20 @@ class Publisher:
         finally:
             for sock in (watcher, router, stop):
                 sock.close(linger=0)
+
+    def _cut_revoked(self) -> None:
+        """A key that lost its role keeps no events connection: libzmq checks a key only at
+        the handshake and cannot drop one peer of a PUB socket, so the proxy thread unbinds
+        and rebinds the events socket. Every subscriber reconnects at once (what it missed
+        meanwhile is counted as lost, as any gap); the revoked one's handshake now fails."""
+        if self._curve is None:
+            return
+        self._curve.access.refresh()
+        if self._curve.access.revocations > self._revocations_seen:
+            self._revocations_seen = self._curve.access.revocations
+            self.cuts += 1
+            self._cut.set()
+            self._proxy_ctl.send(b"TERMINATE")  # the proxy returns, rebinds, and runs again
 
     def _release_stalled(self) -> None:
         """Held events the publishing loop has not released for a while (it is stuck in
@@ -551,6 +612,11 @@ class Publisher:
         while len(joiners) < STATE_BATCH and router.poll(0):
             frames = router.recv_multipart(copy=False)
             identity, body = frames[0].bytes, frames[-1]
+            refusal = self._curve.access.refusal(body.get("User-Id")) if self._curve is not None else None
+            if refusal:  # a key revoked after its connection was made
+                self.unauthorized += 1
+                router.send_multipart([identity, encode_reply("error", error=refusal)])
+                continue
             try:  # a state_req's topics are checked there; an info_req's other fields are not read
                 request = decode_request(body, self.limits)
             except WireError as exc:
@@ -562,7 +628,7 @@ class Publisher:
                 self.state_requests += 1
                 joiners.append((identity, request["topics"]))
             elif kind == "info_req":
-                router.send_multipart([identity, encode_reply("info", run=self.run_info)])
+                router.send_multipart([identity, encode_reply("info", run=self._info_for_peer())])
             else:
                 self.bad_requests += 1
                 router.send_multipart(
@@ -584,6 +650,17 @@ class Publisher:
             snapshot = self._state_snapshot()
         for identity, topics in joiners:
             router.send_multipart([identity, *self._state_frames(snapshot, topics)], copy=False)
+
+    def _info_for_peer(self) -> dict[str, Any]:
+        """run.json for an authorised key; without keys any local account can ask, so only
+        what connecting needs (and the config, which the late-join state carries anyway):
+        not the run's folder, progress, checkpoints or who stopped it."""
+        if self._curve is not None:
+            return self.run_info
+        info = {k: v for k, v in self.run_info.items() if k in _PUBLIC_INFO}
+        if "extra" in self.run_info:
+            info["extra"] = {"config": self.run_info["extra"].get("config", {})}
+        return info
 
     def _state_snapshot(self) -> tuple:
         """Under _send_lock, where every numbered event is also the latest of its topic: the
@@ -615,6 +692,9 @@ class Publisher:
 
 
 _NO_TS = object()  # no held entry has this ts: the first one appended always carries its own
+#: run.json's fields an info request gets from a run without keys
+_PUBLIC_INFO = frozenset({"run_id", "run_name", "pid", "started", "endpoints", "host", "finished", "world_size",
+                          "ranks", "curve_public"})
 
 
 def _whole_events(held: list, seq: int, first: dict[str, int]) -> list[list]:
@@ -638,6 +718,18 @@ def _check_topic(topic: str) -> None:
         raise WireError(f"topic {topic!r} is empty, contains NUL or starts with '_' (reserved)")
 
 
+def _bind_again(sock: zmq.Socket, endpoint: str, attempts: int = 50) -> None:
+    for _ in range(attempts):  # the port was ours a moment ago; another process could take it meanwhile
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            error = exc
+            time.sleep(0.02)
+    log.error("offloop: the events socket could not bind %s again after cutting a revoked key's "
+              "connection (%s): no subscriber can reach this run's events from now on", endpoint, error)
+
+
 def _topics_for(subscriptions) -> frozenset[str]:
     """The topics a set of SUB prefixes selects (b"" selects every topic)."""
     wanted: set[str] = set()
@@ -654,9 +746,18 @@ def _topics_for(subscriptions) -> frozenset[str]:
     return frozenset(wanted)
 
 
-def _run_proxy(front: zmq.Socket, back: zmq.Socket, control: zmq.Socket) -> None:
+def _run_proxy(front: zmq.Socket, back: zmq.Socket, control: zmq.Socket, cut: threading.Event,
+               endpoint: str) -> None:
+    """The events proxy, run in libzmq; stopped and started again around a cut (an unbind,
+    which closes every connection made through the endpoint, and a bind to the same port)."""
     try:
-        zmq.proxy_steerable(front, back, None, control)
+        while True:
+            zmq.proxy_steerable(front, back, None, control)
+            if not cut.is_set():
+                return
+            cut.clear()
+            back.unbind(endpoint)
+            _bind_again(back, endpoint)
     except zmq.ContextTerminated:
         pass
     finally:

@@ -16,7 +16,7 @@ import torch
 import zmq
 
 from offloop.bus import ControlServer, Publisher, RunInfo, mark_finished, write_run_info
-from offloop.bus.security import SecurityError, check_exposure, generate_keys, load_server_keys
+from offloop.bus.security import SecurityError, check_exposure, load_server_keys
 from offloop.trainer.batches import dataset_len, loader_len
 from offloop.trainer.distributed import ControlAgreement
 from offloop.trainer.errors import ConfigError
@@ -70,12 +70,11 @@ def run_config(model: torch.nn.Module, *, run_name: str, run_id: str, seed: int,
 
 def check_keys(keys: str | os.PathLike | None, host: str, insecure: bool):
     """The server keys (None without `keys`), refused where `host` would expose the run
-    without them; the trainer's own callback workers get a client key of their own."""
+    without them (the trainer's own workers get a key pair made in memory for the run:
+    `ServerKeys.client_keys`)."""
     try:
         server_keys = load_server_keys(keys) if keys else None
         check_exposure(host, server_keys, insecure)
-        if keys:
-            generate_keys(keys, client="workers")
     except SecurityError as exc:
         raise ConfigError(str(exc)) from None
     return server_keys

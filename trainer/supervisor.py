@@ -33,6 +33,7 @@ from typing import Any
 import cloudpickle
 
 from offloop.bus import Time, TimeUnit
+from offloop.bus.security import ClientKeys
 from offloop.trainer.decisions import decision_schedule
 from offloop.trainer.errors import ConfigError
 
@@ -123,7 +124,7 @@ class CallbackWorkers:
     """One process per group of callbacks; see the module docstring."""
 
     def __init__(self, callbacks: list, run_dir: str, ready_timeout: float = 120.0,
-                 keys: str | None = None, max_restarts: int = 3,
+                 keys: ClientKeys | None = None, max_restarts: int = 3,
                  heartbeat_timeout: float = 10.0, nice: int = 10, loggers: list | None = None,
                  builtins: dict[str, dict] | None = None) -> None:
         self.callbacks = list(callbacks)
@@ -152,7 +153,7 @@ class CallbackWorkers:
         self.nice = nice
         #: a worker whose trainer sends no heartbeat for this long closes its callbacks and exits
         self.heartbeat_timeout = heartbeat_timeout
-        self.keys = keys  # the keys folder, when the run has keys: workers use its "workers" key
+        self.keys = keys  # when the run has keys: the workers' own pair, admitted in memory for the run
         self.max_restarts = max_restarts  # per worker; a restarted worker joins from the late-join state
         self.restarts = 0
         self._stopping = False

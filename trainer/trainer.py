@@ -107,15 +107,16 @@ class Trainer:
                                                      rank=self.rank, seed=self.seed, run_name=self.run_name)
         self.checkpoints = self._checkpointer.written
         self.keys = Path(keys) if keys else None
+        server_keys = check_keys(keys, host, insecure) if publish else None
         # a worker that hears no heartbeat for 10 intervals (3 s at least) takes the trainer
         # for dead; built (its callbacks serialized) before a socket or run.json exists
         self.workers = CallbackWorkers(callbacks or [], str(self.run_dir), loggers=loggers, builtins=builtins,
-                                       keys=str(self.keys) if self.keys else None,
+                                       keys=server_keys.client_keys("workers") if server_keys else None,
                                        heartbeat_timeout=max(3.0, 10 * heartbeat_interval), nice=worker_nice)
 
         self._sockets = None
         if publish:
-            self._sockets = RunSockets(self.run_id, check_keys(keys, host, insecure), rank=self.rank, host=host,
+            self._sockets = RunSockets(self.run_id, server_keys, rank=self.rank, host=host,
                                        heartbeat_interval=heartbeat_interval)
             self._sockets.start(self._agreement, self.run_dir, self.run_name, self.world_size, self.config())
         self.publisher: Publisher | None = self._sockets.publisher if self._sockets else None

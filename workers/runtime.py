@@ -29,7 +29,7 @@ from offloop.bus import (
     Subscriber,
     find_run,
 )
-from offloop.bus.security import client_keys_for, endpoint_keys
+from offloop.bus.security import ClientKeys, client_keys_for, endpoint_keys
 from offloop.workers import callback_state
 from offloop.workers.callback import Callback
 from offloop.workers.logger import Logger, LoggerDestination
@@ -73,13 +73,17 @@ class Worker:
         heartbeat_timeout: float = 10.0,
         join_timeout: float = 10.0,
         name: str | None = None,
-        keys: str | None = None,
+        keys: str | ClientKeys | None = None,
         key_name: str = "client",
         index: int | None = None,
     ) -> None:
-        self.info = run if isinstance(run, RunInfo) else find_run(
-            run, runs_root, curve=endpoint_keys(run, keys, key_name))
-        self.curve = client_keys_for(self.info, keys, key_name)
+        if isinstance(keys, ClientKeys):  # a pair given as it is (the trainer's own workers')
+            self.info = run if isinstance(run, RunInfo) else find_run(run, runs_root, curve=keys)
+            self.curve = keys if self.info.curve_public else None
+        else:  # a keys folder, and which client pair in it
+            self.info = run if isinstance(run, RunInfo) else find_run(
+                run, runs_root, curve=endpoint_keys(run, keys, key_name))
+            self.curve = client_keys_for(self.info, keys, key_name)
         self.callbacks = list(callbacks)
         self.disable_on_error = disable_on_error
         self.exit_on_fit_end = exit_on_fit_end
@@ -342,7 +346,7 @@ def _exit_with_trainer(conn, grace: float, name: str) -> None:
     os._exit(4)
 
 
-def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: str | None = None,
+def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: ClientKeys | None = None,
                             heartbeat_timeout: float = 10.0, index: int | None = None,
                             loggers: list | None = None, builtins: dict[str, dict] | None = None) -> None:
     """Entry point of a worker process the Trainer started for some of its callbacks (they
@@ -369,7 +373,7 @@ def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: str | Non
         callbacks = [*callbacks, ProgressBar(**builtins["ProgressBar"])]
     try:
         worker = Worker(run_dir, callbacks, exit_on_fit_end=False, heartbeat_timeout=heartbeat_timeout,
-                        keys=keys, key_name="workers", index=index, destinations=loggers or None)
+                        keys=keys, index=index, destinations=loggers or None)
         worker.connect()
     except Exception as exc:
         conn.send(("error", (None, f"could not join the run: {exc}")))

@@ -79,10 +79,11 @@ def test_mark_finished_and_list(tmp_path):
 def test_find_by_endpoint_asks_the_run_itself():
     pub = Publisher("id-live")
     endpoints = pub.start()
-    pub.run_info = info("live", extra={"note": "from the wire"}).to_dict()
+    pub.run_info = info("live", extra={"config": {"lr": 0.1}, "note": "in run.json only"}).to_dict()
     try:
         found = find_run(endpoints["state"])
-        assert found.run_name == "live" and found.extra == {"note": "from the wire"}
+        # a run without keys answers anyone: the config (which its state carries anyway), not the rest
+        assert found.run_name == "live" and found.extra == {"config": {"lr": 0.1}}
     finally:
         pub.close(linger=0)
 

@@ -127,7 +127,9 @@ def test_a_subscriber_that_stops_reading_in_another_process_costs_the_publisher_
     total = more_than_the_sockets_hold()
     go = tmp_path / "go"
     # a publishing queue that holds every event: only a subscriber pushing back could fill it
-    pub = Publisher("slow-run", heartbeat_interval=0.1, subscriber_hwm=4, queue_size=total + 1)
+    # (and no bound in bytes: what is tested here is the subscriber's queue, in messages)
+    pub = Publisher("slow-run", heartbeat_interval=0.1, subscriber_hwm=4, queue_size=total + 1,
+                    max_queued_bytes=1 << 40)
     endpoints = pub.start()
     try:
         child = spawn("slow_subscriber", endpoints["events"], endpoints["state"], total, go)
@@ -150,6 +152,40 @@ def test_a_subscriber_that_stops_reading_in_another_process_costs_the_publisher_
     assert report["last"] < total  # down to the last one: the tail is known from heartbeats
     assert report["received"] + report["gaps"] == total  # and it counted exactly what it missed
     assert report["duplicates"] == 0 and report["publisher_drops"] == 0
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_what_waits_for_a_stopped_subscriber_is_bounded_in_bytes_and_each_drop_is_counted(spawn, tmp_path):
+    """Issue 24, finding 5: 400 events of 1 MiB for a subscriber that stopped reading grew
+    the publisher by 400 MiB with nothing dropped (its queue is bounded in messages)."""
+    total, go, mib = 400, tmp_path / "go", 1 << 20
+    pub = Publisher("stopped-run", heartbeat_interval=0.1, max_queued_bytes=32 * mib)
+    endpoints = pub.start()
+    try:
+        child = spawn("slow_subscriber", endpoints["events"], endpoints["state"], total, go)
+        assert child.line()["joined"]
+        assert pub.publish("batch_end", (0, 1, 1, 1, 0), {"i": 1, "pad": b"x" * mib})
+        assert child.line()["first"] == 1  # from here on it reads nothing until `go` exists
+        before = _rss_bytes()
+        sent = sum(pub.publish("batch_end", (0, i, i, i, 0), {"i": i, "pad": bytes([i % 256]) * mib})
+                   for i in range(2, total + 1))  # each message its own MiB of memory
+        grown, held = _rss_bytes() - before, pub.queued_bytes
+        go.touch()
+        child.line()
+        report = child.line(timeout=60)
+    finally:
+        pub.close(linger=0.3)
+    assert held <= 32 * mib and grown < 96 * mib, (held, grown)  # 400 MiB before the bound
+    assert pub.byte_drops > 300 and pub.drops == pub.byte_drops and sent == total - 1 - pub.drops
+    # the subscriber counted exactly what it missed, and was told why (heartbeats carry drops)
+    assert report["received"] + report["gaps"] == total and report["duplicates"] == 0
+    assert report["publisher_drops"] == pub.byte_drops
 
 
 def test_late_joiner_gets_config_and_latest_of_every_topic_at_once(spawn):
@@ -196,7 +232,8 @@ def test_silent_publisher_is_reported(spawn):
 
 def test_tail_loss_is_counted_from_heartbeats():
     total = more_than_the_sockets_hold()
-    pub = Publisher("tail-run", heartbeat_interval=0.1, subscriber_hwm=4, queue_size=total + 1)
+    pub = Publisher("tail-run", heartbeat_interval=0.1, subscriber_hwm=4, queue_size=total + 1,
+                    max_queued_bytes=1 << 40)  # the loss tested is the subscriber queue's, not the bytes bound's
     pub.start()
     try:
         with Subscriber(pub.endpoints["events"], pub.endpoints["state"], topics=["batch_end"],

@@ -113,8 +113,11 @@ def test_compose_services_run_as_local_processes_train_monitor_halt_export_and_a
             service.stop()
 
     # the trainer used the keys the keys service made, on the address it was given
-    assert info["curve_public"] and sorted(p.name for p in (volumes["keys"] / "authorized").iterdir()) == [
-        "exporter.key", "monitor.key", "stopper.key", "workers.key"]
+    # (the trainer's own workers' key lives in its memory, not in the folder), each with its role
+    authorized = {p.name: p.read_text() for p in (volumes["keys"] / "authorized").iterdir()}
+    assert info["curve_public"] and sorted(authorized) == ["exporter.key", "monitor.key", "stopper.key"]
+    assert ['role = "monitor"' in authorized[f"{name}.key"] for name in ("exporter", "monitor", "stopper")] == [
+        True, True, False]
     assert all(e.startswith("tcp://127.0.0.1:") for e in info["endpoints"].values()), info["endpoints"]
     # the stopper service halted the run (not the demo's own, slower, early stopper)
     stopped_by = info["extra"]["stopped_by"]

@@ -1,7 +1,9 @@
-"""A real training job that takes a while: argv = run_dir, batches, seconds per batch, and
-optionally a file for a StepList callback, which then runs in a worker the trainer spawns."""
+"""A real training job that takes a while: argv = run_dir, batches, seconds per batch,
+optionally a file for a StepList callback, which then runs in a worker the trainer spawns,
+and a file whose existence it waits for (20 s at most) before it trains."""
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,7 +39,11 @@ if __name__ == "__main__":
         callbacks.append(StepList(sys.argv[4]))
     trainer = Trainer(nn.Linear(8, 2), loader, f"{batches}ba", loss_fn=nn.functional.cross_entropy,
                       run_dir=run_dir, heartbeat_interval=0.2, callbacks=callbacks)
-    print(json.dumps({"run_dir": run_dir}), flush=True)
+    print(json.dumps({"run_dir": run_dir, "pid": os.getpid()}), flush=True)
+    if len(sys.argv) > 5:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(sys.argv[5]) and time.monotonic() < deadline:
+            time.sleep(0.01)
     trainer.fit()
     trainer.close()
     print(json.dumps({"done": trainer.timestamp.batch}), flush=True)
