@@ -16,10 +16,17 @@ import torch
 import zmq
 from torch import nn
 
-from offloop.bus import ControlClient, ControlTimeout, PublisherSilent, RunNotFound, Subscriber, find_run
+from offloop import Callback
+from offloop.bus import (
+    ControlClient,
+    ControlTimeout,
+    PublisherSilent,
+    RunNotFound,
+    Subscriber,
+    find_run,
+)
 from offloop.bus.security import SecurityError, generate_keys, load_client_keys, load_server_keys
 from offloop.bus.wire import decode_reply, encode_request
-from offloop import Callback
 from offloop.trainer import ConfigError, Trainer
 
 ROOT = Path(__file__).parent.parent.parent
