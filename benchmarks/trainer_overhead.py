@@ -44,13 +44,15 @@ first steps of every block are discarded as warm-up, and a short pause between b
 lets a worker finish the events of the block before. Trainer construction, worker
 start-up and close() are outside the timed spans.
 
-What it does not show: a GPU (no device copies, no CUDA staging); a machine with spare
+With --device cuda every case trains on the GPU (the hand-written loop too), steps run
+asynchronously within a block, and the GPU is drained between blocks. Without it: no GPU
+(no device copies, no CUDA staging). What it does not show either way: a machine with spare
 cores (here the workers share two cores with the training thread and its publisher
 threads, so (c)-(e) include that contention); data loading; more than one rank.
 
 Prints one JSON object per case and, last, a summary object; progress goes to stderr.
 
-Run: python benchmarks/trainer_overhead.py [--steps N] [--blocks N] [--heavy-steps N]
+Run: python benchmarks/trainer_overhead.py [--steps N] [--blocks N] [--heavy-steps N] [--device cuda]
 """
 
 from __future__ import annotations
@@ -157,11 +159,15 @@ class Blocks:
         return [(s[i + 1] - s[i]) / 1000 for i in range(warmup, len(s) - 1)]
 
 
+#: where every case trains (--device); the hand-written loop and the Trainer alike
+DEVICE = torch.device("cpu")
+
+
 def make_batches(size: str, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     (width, *_, classes), batch = SIZES[size]
     gen = torch.Generator().manual_seed(SEED)
-    return [(torch.randn(batch, width, generator=gen), torch.randint(0, classes, (batch,), generator=gen))
-            for _ in range(n)]
+    return [(torch.randn(batch, width, generator=gen).to(DEVICE),
+             torch.randint(0, classes, (batch,), generator=gen).to(DEVICE)) for _ in range(n)]
 
 
 def make_model(size: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -171,7 +177,7 @@ def make_model(size: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     for i, (n_in, n_out) in enumerate(zip(widths, widths[1:], strict=False)):
         layers += [torch.nn.ReLU()] if i else []
         layers.append(torch.nn.Linear(n_in, n_out))
-    model = torch.nn.Sequential(*layers)
+    model = torch.nn.Sequential(*layers).to(DEVICE)
     return model, torch.optim.SGD(model.parameters(), lr=LR)
 
 
@@ -232,7 +238,7 @@ class TrainerLoop:
         callbacks = callbacks + [heavy(path).in_own_process() for path in self.reports] if heavy else callbacks
         self.loader = Blocks(batches)
         self.trainer = Trainer(model, self.loader, max_duration="1ba", loss_fn=F.cross_entropy,
-                               optimizers=opt, run_dir=self.run_dir, callbacks=callbacks,
+                               optimizers=opt, run_dir=self.run_dir, callbacks=callbacks, device=DEVICE,
                                publish=publish, eval_dataloader=None, seed=SEED,
                                worker_shutdown_timeout=shutdown_timeout, **trainer_args)
         self.trained = 0
@@ -313,7 +319,10 @@ def main() -> None:
     parser.add_argument("--large-warmup", type=int, default=5, help="steps discarded first, per large block")
     parser.add_argument("--blocks", type=int, default=40, help="timed blocks per case, taking turns")
     parser.add_argument("--heavy-steps", type=int, default=20, help="timed steps for case (f)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where every case trains")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(1)
     tiny, large = make_batches("tiny", args.steps + 1), make_batches("large", args.large_steps + 1)
 
@@ -339,6 +348,8 @@ def main() -> None:
             kept = loop.run(steps, warmup)
             if b:
                 blocks[case].append(kept)
+            if DEVICE.type == "cuda":  # the next case never waits on this one's queued kernels
+                torch.cuda.synchronize()
             time.sleep(0.02)  # a worker finishes the block's last burst before the next case runs
         if b and b % 10 == 0:
             print(f"block {b}/{args.blocks}: " + ", ".join(
@@ -365,6 +376,7 @@ def main() -> None:
                           for key, target in TARGETS.items()}
     summary |= {"steps_per_block": args.steps, "large_steps_per_block": args.large_steps,
                 "blocks": args.blocks, "heavy_steps": args.heavy_steps, "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
                 "threads": torch.get_num_threads()}
     print(json.dumps(summary))
 

@@ -33,7 +33,8 @@ class StepReadings:
             per_param_grad_norms, publish_samples, flops_fn
         self._names: list[str] = []
         self.params: list[torch.nn.Parameter] = []  # the model's, in named_parameters() order
-        self._rss: dict[str, int] | None = None  # peak resident memory, as last read (published as is)
+        #: CUDA allocator counters or the peak resident memory, as last read (published as is)
+        self._memory: dict[str, int] | None = None
         #: what training code logs with log_metrics(): taken by the next batch_end (or eval_end)
         self.user_metrics = UserMetrics(host)
 
@@ -76,12 +77,10 @@ class StepReadings:
             "lr": list(map(_LR, chain.from_iterable(map(_PARAM_GROUPS, self.optimizers)))),
             "batch_size": size,
         }
-        if self._device_type == "cuda":
-            snapshot["memory"] = _cuda_memory(self.device)
-        else:
-            if self._rss is None or not step % 16:  # a peak: read every 16 steps
-                self._rss = {"max_rss_bytes": _max_rss()}  # a new dict: held events keep theirs
-            snapshot["memory"] = self._rss
+        if self._memory is None or not step % 16:  # read every 16 steps (docs/trainer.md)
+            # a new dict: held events keep theirs
+            self._memory = _cuda_memory(self.device) if self._device_type == "cuda" else {"max_rss_bytes": _max_rss()}
+        snapshot["memory"] = self._memory
         if self.user_metrics.values:
             snapshot["metrics"] = self.user_metrics.take()
         if self.flops_fn is not None:
@@ -106,12 +105,15 @@ def describe_optimizer(opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def _cuda_memory(device: torch.device) -> dict[str, int]:
-    """Allocator counters, read on the host: no device synchronisation."""
-    stats = torch.cuda.memory_stats(device)  # one read (memory_allocated() etc. each make one)
+    """Allocator counters, read on the host: no device synchronisation. The nested dict is
+    the allocator's own; memory_stats() and memory_allocated() flatten all of it in Python
+    first, several times the cost (docs/benchmarks.md, "On a GPU")."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    allocated, reserved = stats.get("allocated_bytes", {}).get("all", {}), stats.get("reserved_bytes", {}).get("all", {})
     return {
-        "allocated_bytes": stats.get("allocated_bytes.all.current", 0),
-        "reserved_bytes": stats.get("reserved_bytes.all.current", 0),
-        "max_allocated_bytes": stats.get("allocated_bytes.all.peak", 0),
+        "allocated_bytes": allocated.get("current", 0),
+        "reserved_bytes": reserved.get("current", 0),
+        "max_allocated_bytes": allocated.get("peak", 0),
     }
 
 

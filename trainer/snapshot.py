@@ -5,6 +5,7 @@ non-blocking copies) and snapshots leave in the order they were made."""
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import deque
 from collections.abc import Callable, Container
 from typing import Any
@@ -39,6 +40,7 @@ class Emitter:
         self.publisher = publisher
         self.cuda = device.type == "cuda"
         self._waiting: deque[tuple[str, tuple, dict, Any]] = deque()
+        self._stager = _Stager()
         # the loop builds a snapshot only where `wants(topic)`; `_published` is what the publisher takes
         self.wants = self._published = publisher.wants if publisher is not None else frozenset().__contains__
         self._refused = 0  # publish() raised (a reserved topic, or nothing held)
@@ -129,10 +131,8 @@ class Emitter:
             self._publish(topic, ts, _host_values(data))
 
     def _emit_staged(self, topic: str, ts: tuple, data: dict) -> None:
-        staged, copied = _stage(data)
-        if copied:
-            ready = torch.cuda.Event()
-            ready.record()
+        staged, ready = self._stager.stage(data)
+        if ready is not None:
             self._waiting.append((topic, ts, staged, ready))
         elif self._waiting:
             self._waiting.append((topic, ts, staged, None))  # keep the stream in order
@@ -165,24 +165,50 @@ def _nothing(*args: Any) -> None:
     pass
 
 
-def _stage(data: Any) -> tuple[Any, bool]:
-    """Start non-blocking copies of CUDA tensors (in dicts, lists and tuples, at any depth)
-    into pinned memory."""
-    if isinstance(data, torch.Tensor):
-        return (_to_pinned(data), True) if data.is_cuda else (data, False)
-    if isinstance(data, dict):
-        staged = {key: _stage(value) for key, value in data.items()}
-        return {key: value for key, (value, _) in staged.items()}, any(c for _, c in staged.values())
-    if isinstance(data, (list, tuple)):
-        staged = [_stage(value) for value in data]
-        return [value for value, _ in staged], any(c for _, c in staged)
-    return data, False
+class _Stager:
+    """Starts non-blocking copies of a snapshot's CUDA tensors (in dicts, lists and tuples,
+    at any depth) into pinned host memory. A tensor staged for the snapshot before is not
+    copied again: the step's loss is one tensor in after_loss, after_train_batch and
+    batch_end, and each copy costs the training thread an allocation, a launch and an event."""
 
+    def __init__(self) -> None:
+        #: the last tensor copied (weakly: a freed tensor's id may be reused), its version
+        #: counter then (an in-place change makes it a new value), its copy and the copy's event
+        self._last: tuple[weakref.ref, int, torch.Tensor, torch.cuda.Event] | None = None
+        self._copied: tuple[torch.Tensor, torch.Tensor] | None = None  # this stage()'s last copy
+        self._reused: torch.cuda.Event | None = None  # the event of a copy reused in this stage()
 
-def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor.detach(), non_blocking=True)
-    return host
+    def stage(self, data: Any) -> tuple[Any, torch.cuda.Event | None]:
+        """`data` with host copies in place of its CUDA tensors, and the event recorded
+        behind those copies (None where it holds no CUDA tensor)."""
+        self._copied = self._reused = None
+        staged = self._walk(data)
+        if self._copied is None:
+            return staged, self._reused
+        ready = torch.cuda.Event()  # behind this stage()'s copies, and so any reused one too
+        ready.record()
+        tensor, host = self._copied
+        self._last = (weakref.ref(tensor), tensor._version, host, ready)
+        return staged, ready
+
+    def _walk(self, data: Any) -> Any:
+        if isinstance(data, torch.Tensor):
+            return self._pinned(data) if data.is_cuda else data
+        if isinstance(data, dict):
+            return {key: self._walk(value) for key, value in data.items()}
+        if isinstance(data, (list, tuple)):
+            return [self._walk(value) for value in data]
+        return data
+
+    def _pinned(self, tensor: torch.Tensor) -> torch.Tensor:
+        last = self._last
+        if last is not None and last[0]() is tensor and last[1] == tensor._version:
+            self._reused = last[3]
+            return last[2]
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor.detach(), non_blocking=True)
+        self._copied = (tensor, host)
+        return host
 
 
 def _host_values(data: dict) -> dict:

@@ -83,3 +83,40 @@ def test_composers_gpu_device_is_the_current_cuda_device(tmp_path):
                  loss_fn=torch.nn.functional.cross_entropy, device="gpu", run_dir=tmp_path / "run") as trainer:
         assert trainer.device == torch.device("cuda", torch.cuda.current_device())
         trainer.fit()
+
+
+def test_a_tensor_in_several_snapshots_is_staged_once_and_an_in_place_change_is_seen(monkeypatch):
+    """The step's loss is one tensor in three snapshots: copied off the GPU once, each
+    snapshot carrying its value; the same tensor changed in place is copied again."""
+    from offloop.bus import Publisher
+    from offloop.trainer.snapshot import Emitter
+
+    publisher = Publisher("staged-once", heartbeat_interval=0.1)
+    publisher.start()
+    try:
+        with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
+                        topics=["after_loss", "after_train_batch", "batch_end"]) as sub:
+            sub.connect()
+            emitter = Emitter(publisher, torch.device("cuda"))
+            loss = torch.tensor(0.5, device="cuda")
+            copies = []
+            real_empty = torch.empty
+
+            def counting_empty(*args, **kwargs):
+                copies.append(kwargs.get("pin_memory"))
+                return real_empty(*args, **kwargs)
+
+            monkeypatch.setattr(torch, "empty", counting_empty)
+            emitter.emit_tensors("after_loss", (0, 0, 0, 0, 0), {"loss": loss})
+            emitter.emit_tensors("after_train_batch", (0, 0, 0, 0, 0), {"loss": loss})
+            loss.add_(1.0)  # changed in place: a new value, copied again
+            emitter.emit_tensors("batch_end", (0, 1, 1, 4, 0), {"loss": loss, "other": torch.ones(2, device="cuda")})
+            monkeypatch.undo()
+            emitter.flush()
+            got = [sub.recv(timeout=5) for _ in range(3)]
+        assert copies == [True, True, True]  # the loss twice (before and after add_), the other once
+        assert [msg.topic for msg in got] == ["after_loss", "after_train_batch", "batch_end"]
+        assert [msg.data["loss"] for msg in got] == [0.5, 0.5, 1.5]
+        assert got[2].data["other"].to_torch().tolist() == [1.0, 1.0]
+    finally:
+        publisher.close(linger=0.1)
