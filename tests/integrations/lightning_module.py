@@ -1,0 +1,50 @@
+"""A small Lightning module on generated data (no downloads), shared by the Lightning tests
+and their torchrun-free DDP helper."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def dataset(n: int = 64, seed: int = 1) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=gen)
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
+def loader(n: int = 64, batch_size: int = 8) -> DataLoader:
+    return DataLoader(dataset(n), batch_size=batch_size)
+
+
+class Classifier(pl.LightningModule):
+    """An MLP; `val_loss` is logged, or a constant when `flat_val` (a stopper's metric
+    that never improves)."""
+
+    def __init__(self, flat_val: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        self.flat_val = flat_val
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("val_loss", torch.tensor(1.0) if self.flat_val else loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def trainer(callbacks: list, **kwargs) -> pl.Trainer:
+    """A quiet CPU Trainer: no progress bar, logger or checkpointing of Lightning's own."""
+    settings = dict(accelerator="cpu", devices=1, max_epochs=2, enable_progress_bar=False, logger=False,
+                    enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0)
+    return pl.Trainer(callbacks=callbacks, **(settings | kwargs))

@@ -1,0 +1,129 @@
+"""Lightning's Trainer publishing to offloop: events in order to a worker's callback, a halt
+and a checkpoint request over the control channel, an EarlyStopper's halt at the eval it
+judged, and run.json for `offloop ls` (real Lightning, CPU, one process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from helpers.callbacks import Recorder  # noqa: E402
+from lightning_module import Classifier, loader, trainer  # noqa: E402
+
+from offloop.bus import ControlClient, read_run_info  # noqa: E402
+from offloop.callbacks import EarlyStopper  # noqa: E402
+from offloop.integrations.lightning import OffloopCallback  # noqa: E402
+
+
+def test_a_lightning_run_fires_composers_events_to_a_worker_and_marks_run_json(tmp_path):
+    offloop = OffloopCallback([Recorder(str(tmp_path / "seen.json"))], run_dir=tmp_path / "run")
+    pl_trainer = trainer([offloop], max_epochs=2)
+    pl_trainer.fit(Classifier(), loader(64), loader(16))
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    topics = [topic for topic, _ in seen]
+    assert topics[:4] == ["init", "before_load", "after_load", "fit_start"]
+    assert topics[-1] == "fit_end"
+    assert topics.count("batch_end") == 16 and topics.count("epoch_end") == 2 and topics.count("eval_end") == 2
+    # one step's events in Composer's order (after_forward and before_loss have no Lightning hook)
+    first = topics.index("batch_start")
+    assert topics[first:first + 8] == ["batch_start", "before_train_batch", "before_forward", "after_loss",
+                                       "before_backward", "after_backward", "after_train_batch", "batch_end"]
+    batch_ends = [counters for topic, counters in seen if topic == "batch_end"]
+    assert [c[1] for c in batch_ends] == list(range(1, 17))  # the batch counter, from Lightning's steps
+    assert [counters[0] for topic, counters in seen if topic == "epoch_end"] == [1, 2]
+    # each epoch's end in Composer's order: epoch_end, its evaluation, epoch_checkpoint
+    end = topics.index("epoch_end")
+    assert topics[end + 1:end + 3] == ["eval_before_all", "eval_start"]
+    assert topics.index("epoch_checkpoint") == topics.index("eval_after_all") + 1
+    info = read_run_info(tmp_path / "run")
+    assert info.finished is True and info.extra["progress"]["batch"] == 16
+    assert info.extra["config"]["host_trainer"].startswith("lightning")
+
+
+class AskAt(pl.Callback):
+    """Sends a control request (in a thread: its ack comes only once the loop applies it)
+    at `batch`, and holds the loop until the trainer's control server has it in its inbox:
+    the request is read at that batch's end, deterministically."""
+
+    def __init__(self, offloop: OffloopCallback, batch: int, op: str, args: dict) -> None:
+        self.offloop, self.batch, self.op, self.args = offloop, batch, op, args
+        self.reply: dict = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != self.batch:
+            return
+        run = self.offloop.run
+        endpoint = run.publisher.run_info["endpoints"]["control"]
+
+        def ask() -> None:
+            with ControlClient(endpoint) as client:
+                self.reply["ack"] = client.request(self.op, self.args, timeout=20)
+
+        self.thread = threading.Thread(target=ask, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not run._sockets.control.inbox and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert run._sockets.control.inbox, "the request never reached the trainer's control server"
+
+
+def test_a_halt_sets_should_stop_at_the_batch_it_is_acked_at(tmp_path):
+    offloop = OffloopCallback(run_dir=tmp_path / "run")
+    asker = AskAt(offloop, 5, "halt", {"reason": "enough"})
+    pl_trainer = trainer([asker, offloop], max_epochs=5)
+    pl_trainer.fit(Classifier(), loader(64))
+    asker.thread.join(timeout=20)
+    ack = asker.reply["ack"]
+    assert ack.ok, ack
+    assert ack.result["step"] == 5 and pl_trainer.global_step == 5  # stopped after the batch it was read at
+    stopped_by = read_run_info(tmp_path / "run").extra["stopped_by"]
+    assert stopped_by["reason"] == "enough" and stopped_by["step"] == 5
+
+
+def test_a_checkpoint_request_is_written_by_lightning_and_acked_with_its_path(tmp_path):
+    offloop = OffloopCallback(run_dir=tmp_path / "run")
+    asker = AskAt(offloop, 3, "checkpoint", {"tag": "mine"})
+    pl_trainer = trainer([asker, offloop], max_epochs=1)
+    pl_trainer.fit(Classifier(), loader(64))
+    asker.thread.join(timeout=20)
+    ack = asker.reply["ack"]
+    assert ack.ok, ack
+    path = ack.result["path"]
+    assert path.endswith("ep0-ba3-mine.ckpt") and ack.result["step"] == 3
+    saved = torch.load(path, weights_only=False)
+    assert saved["global_step"] == 3 and "net.0.weight" in saved["state_dict"]
+    # Lightning resumes from it
+    resumed = trainer([], max_epochs=1)
+    resumed.fit(Classifier(), loader(64), ckpt_path=path)
+    assert resumed.global_step == 8
+
+
+def test_an_early_stopper_halts_at_the_eval_it_judged(tmp_path):
+    # val_loss never improves: patience 1 (epoch) is exceeded at the third eval, as in Composer
+    offloop = OffloopCallback([EarlyStopper("val_loss", "eval", patience=1)], run_dir=tmp_path / "run")
+    pl_trainer = trainer([offloop], max_epochs=10)
+    pl_trainer.fit(Classifier(flat_val=True), loader(64), loader(16))
+    assert pl_trainer.current_epoch == 3 and pl_trainer.global_step == 24
+    assert "EarlyStopper" in read_run_info(tmp_path / "run").extra["stopped_by"]["reason"]
+
+
+def test_bad_arguments_and_a_missing_lightning_are_named(tmp_path):
+    from offloop.trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="callbacks must be a list"):
+        OffloopCallback(EarlyStopper("val_loss", "eval"))
+    with pytest.raises(ConfigError, match="burst_interval"):
+        OffloopCallback(burst_interval=-1)
+    code = ("import sys; sys.modules['lightning'] = sys.modules['lightning.pytorch'] = None; "
+            "sys.modules['pytorch_lightning'] = None; import offloop.integrations.lightning")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "pip install 'offloop[lightning]'" in result.stderr
