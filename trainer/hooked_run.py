@@ -31,8 +31,9 @@ from offloop.trainer.supervisor import CallbackWorkers
 __all__ = ["HookedRun"]
 
 #: save(path) writes the host trainer's checkpoint at `path`, on every rank, and returns
-#: the path it wrote (a folder, for a trainer that saves one)
-Save = Callable[[Path], Path]
+#: the path it wrote; None for a trainer that saves later itself (Hugging Face's: the
+#: integration takes the agreed requests with due_requests() and answers them with saved())
+Save = Callable[[Path], Path] | None
 
 
 class HookedRun:
@@ -102,7 +103,7 @@ class HookedRun:
                                   write=self._write, now=lambda: self.timestamp, release=self.emitter.release)
         self._decisions = Decisions(self.workers.decision_schedule if self.world_size == 1 else {},
                                     self.decision_timeout, self.emitter, self.workers, self._sockets.control,
-                                    self.controller.serve)
+                                    self._serve)
         self._readings = StepReadings(device, self.optimizers, self.emitter.host, per_param_grad_norms=False,
                                       publish_samples=0, flops_fn=None)
         try:
@@ -168,7 +169,7 @@ class HookedRun:
         controller.poll(self.timestamp)
         self.emitter.release_due()
         self._decisions.fire(Topic.BATCH_CHECKPOINT, self.timestamp)
-        if controller.due:
+        if controller.due and self._save is not None:
             controller.save("batch_checkpoint", controller.take_due())
         if self.emitter.cuda:
             self.emitter.poll()
@@ -208,8 +209,18 @@ class HookedRun:
 
     # ------------------------------------------------------------ checkpoints
 
+    def _serve(self, where: str) -> None:
+        """While the loop waits at a decision: a halt is applied; a checkpoint written now, or
+        left for due_requests() where the host trainer saves later."""
+        if self._save is not None:
+            self.controller.serve(where)
+        else:
+            self.controller.poll(self.timestamp)
+
     def _write(self, requests: list) -> tuple[Path, str]:
         """A checkpoint of this step through the host trainer, on every rank (rank 0's name)."""
+        if self._save is None:  # only after the fit (answer_late): the host trainer no longer saves
+            raise CheckpointError("the run has finished: this trainer saves only while it trains")
         tag, filename = checkpoint.requested_name(requests)
         tag, filename = self._agreement.gather((tag, filename))[0] if self._agreement.active else (tag, filename)
         ts = self.timestamp
@@ -221,15 +232,19 @@ class HookedRun:
         self.checkpoints.append(str(path))
         return Path(path), tag
 
-    def saved(self, requests: list, path: Path, where: str) -> None:
-        """Answer requests the host trainer has saved since (Hugging Face saves after the hook)."""
-        self.checkpoints.append(str(path))
-        self.controller.checkpoint_saved(requests, path, "", where, self.timestamp)
-        self.emitter.release()
+    def due_requests(self) -> list:
+        """The checkpoint requests agreed since the last call (a trainer that saves later
+        itself: it saves once for all of them, then saved() answers them)."""
+        controller = self.controller
+        if not (controller.due or controller.checkpoints):
+            return []
+        return [request for group in controller.take_due() for request in group]
 
-    def due_requests(self) -> list[list]:
-        """The checkpoints agreed at this batch, taken: for a trainer that saves later itself."""
-        return self.controller.take_due() if self.controller.due else []
+    def saved(self, requests: list, path: Path, where: str) -> None:
+        """Answer `requests` with the checkpoint the host trainer wrote at `path`."""
+        self.checkpoints.append(str(path))
+        self.controller.checkpoint_saved(requests, Path(path), "", where, self.timestamp)
+        self.emitter.release()
 
     # ------------------------------------------------------------------ ending
 
