@@ -3,10 +3,16 @@ and their torchrun-free DDP helper."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
+
+from offloop.bus import ControlClient
+from offloop.integrations.lightning import OffloopCallback
 
 
 def dataset(n: int = 64, seed: int = 1) -> TensorDataset:
@@ -48,3 +54,30 @@ def trainer(callbacks: list, **kwargs) -> pl.Trainer:
     settings = dict(accelerator="cpu", devices=1, max_epochs=2, enable_progress_bar=False, logger=False,
                     enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0)
     return pl.Trainer(callbacks=callbacks, **(settings | kwargs))
+
+
+class AskAt(pl.Callback):
+    """Sends a control request (in a thread: its ack comes only once the loop applies it)
+    at `batch`, and holds the loop until the trainer's control server has it in its inbox:
+    the request is read at that batch's end, deterministically."""
+
+    def __init__(self, offloop: OffloopCallback, batch: int, op: str, args: dict) -> None:
+        self.offloop, self.batch, self.op, self.args = offloop, batch, op, args
+        self.reply: dict = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != self.batch or trainer.global_rank != 0:  # rank 0 holds the control server
+            return
+        run = self.offloop.run
+        endpoint = run.publisher.run_info["endpoints"]["control"]
+
+        def ask() -> None:
+            with ControlClient(endpoint) as client:
+                self.reply["ack"] = client.request(self.op, self.args, timeout=20)
+
+        self.thread = threading.Thread(target=ask, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not run._sockets.control.inbox and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert run._sockets.control.inbox, "the request never reached the trainer's control server"

@@ -5,21 +5,20 @@ judged, and run.json for `offloop ls` (real Lightning, CPU, one process)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
-import threading
-import time
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("lightning")
 
-import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from helpers.callbacks import Recorder  # noqa: E402
-from lightning_module import Classifier, loader, trainer  # noqa: E402
+from lightning_module import AskAt, Classifier, loader, trainer  # noqa: E402
 
-from offloop.bus import ControlClient, read_run_info  # noqa: E402
+from offloop.bus import read_run_info  # noqa: E402
 from offloop.callbacks import EarlyStopper  # noqa: E402
 from offloop.integrations.lightning import OffloopCallback  # noqa: E402
 
@@ -47,33 +46,6 @@ def test_a_lightning_run_fires_composers_events_to_a_worker_and_marks_run_json(t
     info = read_run_info(tmp_path / "run")
     assert info.finished is True and info.extra["progress"]["batch"] == 16
     assert info.extra["config"]["host_trainer"].startswith("lightning")
-
-
-class AskAt(pl.Callback):
-    """Sends a control request (in a thread: its ack comes only once the loop applies it)
-    at `batch`, and holds the loop until the trainer's control server has it in its inbox:
-    the request is read at that batch's end, deterministically."""
-
-    def __init__(self, offloop: OffloopCallback, batch: int, op: str, args: dict) -> None:
-        self.offloop, self.batch, self.op, self.args = offloop, batch, op, args
-        self.reply: dict = {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step != self.batch:
-            return
-        run = self.offloop.run
-        endpoint = run.publisher.run_info["endpoints"]["control"]
-
-        def ask() -> None:
-            with ControlClient(endpoint) as client:
-                self.reply["ack"] = client.request(self.op, self.args, timeout=20)
-
-        self.thread = threading.Thread(target=ask, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not run._sockets.control.inbox and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert run._sockets.control.inbox, "the request never reached the trainer's control server"
 
 
 def test_a_halt_sets_should_stop_at_the_batch_it_is_acked_at(tmp_path):
@@ -127,3 +99,22 @@ def test_bad_arguments_and_a_missing_lightning_are_named(tmp_path):
             "sys.modules['pytorch_lightning'] = None; import offloop.integrations.lightning")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "pip install 'offloop[lightning]'" in result.stderr
+
+
+def test_two_ddp_ranks_save_the_requested_checkpoint_and_halt_at_the_same_batch(tmp_path):
+    """Lightning's DDP over gloo, two processes: rank 0 holds the control server; the
+    checkpoint (batch 2) and the halt (batch 4) are agreed by both ranks at one batch."""
+    script = str(Path(__file__).parent / "ddp_lightning.py")
+    result = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    assert [r["global_step"] for r in ranks] == [4, 4] and [r["batch"] for r in ranks] == [4, 4]
+    acks = ranks[0]["acks"]
+    assert acks["halt"]["ok"] and acks["halt"]["result"]["step"] == 4
+    assert acks["checkpoint"]["ok"] and acks["checkpoint"]["result"]["step"] == 2
+    saved = torch.load(acks["checkpoint"]["result"]["path"], weights_only=False)
+    assert saved["global_step"] == 2
+    info = read_run_info(tmp_path / "run")
+    assert info.world_size == 2 and len(info.ranks) == 2 and info.finished
