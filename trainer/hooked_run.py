@@ -232,13 +232,19 @@ class HookedRun:
         self.checkpoints.append(str(path))
         return Path(path), tag
 
-    def due_requests(self) -> list:
-        """The checkpoint requests agreed since the last call (a trainer that saves later
-        itself: it saves once for all of them, then saved() answers them)."""
+    def due_requests(self) -> tuple[bool, list]:
+        """(whether a checkpoint is due, the requests it answers), agreed since the last
+        call, for a trainer that saves later itself: it saves once for all of them, on
+        every rank (on ranks but 0 one is due with no request), then saved() answers them."""
         controller = self.controller
         if not (controller.due or controller.checkpoints):
-            return []
-        return [request for group in controller.take_due() for request in group]
+            return False, []
+        return True, [request for group in controller.take_due() for request in group]
+
+    def log_metrics(self, metrics: dict[str, Any]) -> None:
+        """Values the host trainer logged (numbers or 0-d tensors): they go with the next
+        batch_end as its metrics, as `offloop.log_metrics` does in offloop's Trainer."""
+        self._readings.user_metrics.log(metrics)
 
     def saved(self, requests: list, path: Path, where: str) -> None:
         """Answer `requests` with the checkpoint the host trainer wrote at `path`."""
