@@ -26,10 +26,9 @@ pl_trainer = trainer([checkpoint, halt, offloop], strategy="ddp", devices=2, max
 pl_trainer.fit(Classifier(), loader(64))
 acks = {}
 for name, asker in (("checkpoint", checkpoint), ("halt", halt)):
-    if hasattr(asker, "thread"):
-        asker.thread.join(timeout=20)
-        ack = asker.reply.get("ack")
-        acks[name] = {"ok": ack.ok, "result": ack.result, "error": ack.error} if ack else None
+    if asker.request.thread is not None:  # rank 0 sent it
+        ack = asker.ack()
+        acks[name] = {"ok": ack.ok, "result": ack.result, "error": ack.error}
 rank = pl_trainer.global_rank
 (out / f"rank-{rank}.json").write_text(json.dumps({
     "rank": rank, "global_step": pl_trainer.global_step, "acks": acks, "pid": os.getpid(),

@@ -3,15 +3,12 @@ and their torchrun-free DDP helper."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from control_request import RequestFromHook
 from torch.utils.data import DataLoader, TensorDataset
 
-from offloop.bus import ControlClient
 from offloop.integrations.lightning import OffloopCallback
 
 
@@ -57,27 +54,14 @@ def trainer(callbacks: list, **kwargs) -> pl.Trainer:
 
 
 class AskAt(pl.Callback):
-    """Sends a control request (in a thread: its ack comes only once the loop applies it)
-    at `batch`, and holds the loop until the trainer's control server has it in its inbox:
-    the request is read at that batch's end, deterministically."""
+    """Sends a control request at `batch` (rank 0: it holds the control server), read at
+    that batch's end; `ack()` is its answer."""
 
     def __init__(self, offloop: OffloopCallback, batch: int, op: str, args: dict) -> None:
-        self.offloop, self.batch, self.op, self.args = offloop, batch, op, args
-        self.reply: dict = {}
+        self.offloop, self.batch = offloop, batch
+        self.request = RequestFromHook(op, args)
+        self.ack = self.request.ack
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step != self.batch or trainer.global_rank != 0:  # rank 0 holds the control server
-            return
-        run = self.offloop.run
-        endpoint = run.publisher.run_info["endpoints"]["control"]
-
-        def ask() -> None:
-            with ControlClient(endpoint) as client:
-                self.reply["ack"] = client.request(self.op, self.args, timeout=20)
-
-        self.thread = threading.Thread(target=ask, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not run._sockets.control.inbox and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert run._sockets.control.inbox, "the request never reached the trainer's control server"
+        if trainer.global_step == self.batch and trainer.global_rank == 0:
+            self.request.send(self.offloop.run)

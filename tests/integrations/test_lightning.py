@@ -53,8 +53,7 @@ def test_a_halt_sets_should_stop_at_the_batch_it_is_acked_at(tmp_path):
     asker = AskAt(offloop, 5, "halt", {"reason": "enough"})
     pl_trainer = trainer([asker, offloop], max_epochs=5)
     pl_trainer.fit(Classifier(), loader(64))
-    asker.thread.join(timeout=20)
-    ack = asker.reply["ack"]
+    ack = asker.ack()
     assert ack.ok, ack
     assert ack.result["step"] == 5 and pl_trainer.global_step == 5  # stopped after the batch it was read at
     stopped_by = read_run_info(tmp_path / "run").extra["stopped_by"]
@@ -66,8 +65,7 @@ def test_a_checkpoint_request_is_written_by_lightning_and_acked_with_its_path(tm
     asker = AskAt(offloop, 3, "checkpoint", {"tag": "mine"})
     pl_trainer = trainer([asker, offloop], max_epochs=1)
     pl_trainer.fit(Classifier(), loader(64))
-    asker.thread.join(timeout=20)
-    ack = asker.reply["ack"]
+    ack = asker.ack()
     assert ack.ok, ack
     path = ack.result["path"]
     assert path.endswith("ep0-ba3-mine.ckpt") and ack.result["step"] == 3

@@ -9,8 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
@@ -18,9 +16,10 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from control_request import RequestFromHook  # noqa: E402
 from helpers.callbacks import LossProbe, Recorder  # noqa: E402
 
-from offloop.bus import ControlClient, read_run_info  # noqa: E402
+from offloop.bus import read_run_info  # noqa: E402
 from offloop.callbacks import EarlyStopper  # noqa: E402
 from offloop.integrations.transformers import OffloopCallback  # noqa: E402
 
@@ -119,38 +118,17 @@ def test_between_logging_steps_the_loss_is_none_and_an_epochs_eval_comes_before_
 
 
 class AskAt(transformers.TrainerCallback):
-    """Sends a control request (in a thread: its ack comes only once the loop applies it)
-    at step `step`, and holds the loop until the trainer's control server has it in its
-    inbox: the request is read at that step's end, deterministically. It must come before
-    the OffloopCallback in the callbacks (HF calls them in order)."""
+    """Sends a control request at step `step`, read at that step's end; `ack()` is its
+    answer. It must come before the OffloopCallback in the callbacks (HF calls them in order)."""
 
     def __init__(self, offloop: OffloopCallback, step: int, op: str, args: dict) -> None:
-        self.offloop, self.step, self.op, self.args = offloop, step, op, args
-        self.reply: dict = {}
-        self.thread: threading.Thread | None = None
+        self.offloop, self.step = offloop, step
+        self.request = RequestFromHook(op, args)
+        self.ack = self.request.ack
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
-        if state.global_step != self.step:
-            return
-        run = self.offloop.run
-        endpoint = run.publisher.run_info["endpoints"]["control"]
-
-        def ask() -> None:
-            with ControlClient(endpoint) as client:
-                self.reply["ack"] = client.request(self.op, self.args, timeout=20)
-
-        self.thread = threading.Thread(target=ask, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not run._sockets.control.inbox and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert run._sockets.control.inbox, "the request never reached the trainer's control server"
-
-    def ack(self):
-        assert self.thread is not None, f"step {self.step} never came"
-        self.thread.join(timeout=20)
-        assert "ack" in self.reply, "no ack within 20 s"
-        return self.reply["ack"]
+        if state.global_step == self.step:
+            self.request.send(self.offloop.run)
 
 
 # logging_steps=1: batch_end waits for HF's log of the step; 100: it comes at on_step_end
