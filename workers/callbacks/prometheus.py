@@ -7,6 +7,7 @@ runs in a worker like any callback, so a slow scrape never touches the trainer.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -14,6 +15,7 @@ from typing import Any
 
 from offloop.bus import GRAD_NORMS
 from offloop.workers.callback import Callback
+from offloop.workers.callbacks.prometheus_targets import TargetFile, default_targets_dir
 from offloop.workers.callbacks.speed_monitor import gpu_flops_available
 
 __all__ = ["PrometheusExporter", "METRICS"]
@@ -110,6 +112,9 @@ class PrometheusExporter(Callback):
             run config's `device_name` and `precision` when the trainer publishes them.
         linger: after the run ends, keep serving until one more scrape has read the final
             values, for at most this many seconds (0: stop at once).
+        targets_dir: where this exporter lists itself for Prometheus's file service
+            discovery while it serves ("auto": $OFFLOOP_RUNS/prometheus-targets; None: not
+            listed), so one scrape job finds every run on the host (docs/prometheus.md).
 
     The server starts at the first event this worker handles (never in the process that
     built the callback), and stops when the worker closes its callbacks. It asks the
@@ -119,7 +124,8 @@ class PrometheusExporter(Callback):
     state_topics = frozenset({GRAD_NORMS})
 
     def __init__(self, port: int = 9464, addr: str = "127.0.0.1", *, window_size: int = 20,
-                 gpu_flops_available: float | None = None, linger: float = 0.0) -> None:
+                 gpu_flops_available: float | None = None, linger: float = 0.0,
+                 targets_dir: str | os.PathLike | None = "auto") -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"PrometheusExporter: port must be an int in 0..65535, got {port!r}")
         if not isinstance(addr, str) or not addr:
@@ -131,6 +137,10 @@ class PrometheusExporter(Callback):
                              f"got {gpu_flops_available!r}")
         if _number(linger) is None or linger < 0:
             raise ValueError(f"PrometheusExporter: linger must be seconds >= 0, got {linger!r}")
+        if targets_dir is not None and not isinstance(targets_dir, (str, os.PathLike)):
+            raise ValueError(f"PrometheusExporter: targets_dir must be a folder, 'auto' or None, got {targets_dir!r}")
+        self.targets_dir = targets_dir
+        self._target_file: TargetFile | None = None
         self.port, self.addr = port, addr
         self.window_size = window_size
         self.gpu_flops_available = gpu_flops_available
@@ -195,6 +205,8 @@ class PrometheusExporter(Callback):
             self._view.finished = True
         if self.linger > 0:
             self._final_scrape.wait(self.linger)
+        if self._target_file is not None:  # Prometheus drops the target at its next look
+            self._target_file.remove()
         self._server.shutdown()
         self._server.server_close()
         self._server = None
@@ -221,6 +233,14 @@ class PrometheusExporter(Callback):
         self._server = _serve(self._app, self.addr, self.port)
         host, port = self._server.server_address[:2]
         print(f"PrometheusExporter: serving http://{host}:{port}/metrics", flush=True)
+        if self.targets_dir is not None:
+            folder = default_targets_dir() if self.targets_dir == "auto" else self.targets_dir
+            self._target_file = TargetFile(folder, state.run_id or state.run_name, state.rank)
+            try:
+                self._target_file.write(self.addr, port, {})
+            except OSError as exc:  # an unwritable folder costs the discovery, not the metrics
+                print(f"PrometheusExporter: not listed for discovery in {folder}: {exc}", flush=True)
+                self._target_file = None
 
     def _device_peak(self, state) -> float | None:
         if self.gpu_flops_available is not None:
