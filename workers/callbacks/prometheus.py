@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections import deque
 from typing import Any
 
@@ -57,8 +56,9 @@ METRICS: dict[str, tuple[str, str]] = {
                                            "full (from its heartbeats)."),
     "offloop_control_requests": ("counter", "Halt and checkpoint requests the trainer read, by op."),
     "offloop_checkpoints_written": ("counter", "Checkpoints the trainer announced it wrote."),
-    "offloop_last_event_age_seconds": ("gauge", "Seconds since the trainer published the latest "
-                                                "event this exporter received."),
+    "offloop_last_event_timestamp_seconds": ("gauge", "Unix time at which the trainer published the "
+                                                      "latest event this exporter received (time() "
+                                                      "minus it: how long the run has been silent)."),
 }
 
 #: batch_end `memory` keys -> family
@@ -305,7 +305,7 @@ class PrometheusExporter(Callback):
         """The metric families, rendered from the view at scrape time."""
         with self._lock:
             view = self._view
-            families = _families(view, time.time())
+            families = _families(view)
             self._request.final = view.finished
         return families
 
@@ -377,7 +377,7 @@ class _Collector:
         yield from self._exporter._collect()
 
 
-def _families(view: _View, now: float) -> list:
+def _families(view: _View) -> list:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     extra_labels = {"offloop_learning_rate": ["group"], "offloop_eval_metric": ["dataloader", "metric"],
@@ -422,5 +422,5 @@ def _families(view: _View, now: float) -> list:
         put("offloop_control_requests", count, op)
     put("offloop_checkpoints_written", view.checkpoints)
     if view.last_event_time is not None:
-        put("offloop_last_event_age_seconds", max(0.0, now - view.last_event_time))
+        put("offloop_last_event_timestamp_seconds", view.last_event_time)
     return list(families.values())
