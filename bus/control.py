@@ -84,6 +84,7 @@ class Ack:
 
 
 _HARD_CAP = 4  # libzmq drops a connection whose message exceeds this many times the limit
+_RCVHWM = 4  # messages of one connection libzmq buffers for the server thread
 
 
 @dataclass
@@ -154,6 +155,10 @@ class ControlServer:
         # A request over the limit is counted and refused by length, never decoded; one past
         # _HARD_CAP times the limit is cut off by libzmq before it is even buffered whole.
         router.maxmsgsize = _HARD_CAP * self.limits.max_body_bytes
+        # libzmq stops reading a connection once this many of its messages wait for this
+        # thread (TCP holds the rest): on a busy machine a flood of large requests from one
+        # peer was buffered whole in the trainer; a client sends one request at a time
+        router.rcvhwm = _RCVHWM
         router.linger = 0
         monitor = None
         if self._curve is not None:
