@@ -37,7 +37,8 @@ def test_metrics_follow_prometheus_conventions_and_render_the_latest_snapshot(fr
     feed = ExporterFeed(exporter, "synthetic")
     url = f"http://127.0.0.1:{free_port}/metrics"
     t = time.time() - 10.0
-    config = {"run_name": "synthetic", "device_name": "NVIDIA H100 80GB HBM3", "precision": "amp_bf16"}
+    config = {"run_name": "synthetic", "device_name": "NVIDIA H100 80GB HBM3", "precision": "amp_bf16",
+              "model": "Mlp", "device": "cuda:0", "max_duration": "10ba", "dataloader_len": 3}
     feed.event("init", t, (0, 0, 0, 0, 0), config=config)
     families = _families(url)  # every family is described from the first scrape on
     assert set(METRICS) <= set(families)
@@ -67,7 +68,8 @@ def test_metrics_follow_prometheus_conventions_and_render_the_latest_snapshot(fr
     run = {"run": "synthetic", "rank": "0"}
     for family in families.values():  # few labels: run and rank, plus one naming a series' part
         for sample in family.samples:
-            assert set(sample.labels) - {"run", "rank"} <= {"group", "dataloader", "metric", "op"}, sample
+            assert set(sample.labels) - {"run", "rank"} <= {"group", "dataloader", "metric", "op", "model",
+                                                             "device"}, sample
             assert {k: sample.labels[k] for k in run} == run, sample
     assert families["offloop_loss"].type == "gauge" and _value(families, "offloop_loss") == 2.0
     assert _value(families, "offloop_learning_rate", group="0") == 0.05
@@ -96,6 +98,10 @@ def test_metrics_follow_prometheus_conventions_and_render_the_latest_snapshot(fr
     assert _value(families, "offloop_events_lost") == 0
     assert _value(families, "offloop_publisher_drops") == 4  # read from the State, not the worker
     assert _value(families, "offloop_last_event_timestamp_seconds") == pytest.approx(t + 7)  # the epoch_end's
+    assert _value(families, "offloop_run_info", model="Mlp", device="cuda:0") == 1
+    assert _value(families, "offloop_progress_ratio") == pytest.approx(0.3)  # 3 of "10ba"
+    # 0.1 of the run a second over the window (the 2 s evaluation left out): 0.7 left takes 7 s
+    assert _value(families, "offloop_eta_seconds") == pytest.approx(7.0)
     text = scrape(url)
     assert "offloop_samples_total{" in text and "offloop_checkpoints_written_total{" in text
 

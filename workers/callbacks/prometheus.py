@@ -56,6 +56,12 @@ METRICS: dict[str, tuple[str, str]] = {
                                            "full (from its heartbeats)."),
     "offloop_control_requests": ("counter", "Halt and checkpoint requests the trainer read, by op."),
     "offloop_checkpoints_written": ("counter", "Checkpoints the trainer announced it wrote."),
+    "offloop_run_info": ("gauge", "1, labelled with the run's model class and device (the run and "
+                                  "rank label every series)."),
+    "offloop_progress_ratio": ("gauge", "Fraction of max_duration trained (in fractional epochs where "
+                                        "the epoch's length is known)."),
+    "offloop_eta_seconds": ("gauge", "Training time left at the pace of the last window of batches, "
+                                     "evaluations not counted."),
     "offloop_last_event_timestamp_seconds": ("gauge", "Unix time at which the trainer published the "
                                                       "latest event this exporter received (time() "
                                                       "minus it: how long the run has been silent)."),
@@ -97,6 +103,9 @@ class _View:
         self.drops: int | None = None
         self.control: dict[str, int] = {}
         self.last_event_time: float | None = None
+        self.model = self.device = ""
+        self.progress: float | None = None
+        self.eta: float | None = None
         self.finished = False
 
 
@@ -255,13 +264,15 @@ class PrometheusExporter(Callback):
         elif self._flops_seen is not None:
             self._flops_seen += flops
         ts = state.timestamp
-        self._window.append((state.wall_time - self._eval_seconds, ts.sample, ts.token, self._flops_seen))
-        (t0, s0, k0, f0), (t1, s1, k1, f1) = self._window[0], self._window[-1]
+        self._window.append((state.wall_time - self._eval_seconds, ts.sample, ts.token, self._flops_seen,
+                             _progress(state)))
+        (t0, s0, k0, f0, p0), (t1, s1, k1, f1, p1) = self._window[0], self._window[-1]
         if t1 <= t0:  # a single batch in the window, or a clock that went back
             return
         rates = {"samples_per_second": (s1 - s0) / (t1 - t0),
                  "tokens_per_second": (k1 - k0) / (t1 - t0) if k1 > k0 else None,
-                 "flops_per_second": None, "mfu": None}
+                 "flops_per_second": None, "mfu": None,
+                 "eta": (1 - p1) * (t1 - t0) / (p1 - p0) if p0 is not None and p1 is not None and p1 > p0 else None}
         if f0 is not None and f1 is not None:
             rates["flops_per_second"] = (f1 - f0) / (t1 - t0)
             if self._peak_flops:
@@ -279,6 +290,8 @@ class PrometheusExporter(Callback):
         with self._lock:
             view = self._view
             view.run, view.rank = state.run_name, str(state.rank)
+            view.model, view.device = str(state.config.get("model", "")), str(state.config.get("device", ""))
+            view.progress = _progress(state)
             view.epoch, view.step, view.samples, view.tokens = ts.epoch, ts.batch, ts.sample, ts.token
             view.loss, view.grad_norm = _number(state.loss), _number(state.grad_norm)
             view.lr, view.memory = lr, memory
@@ -377,10 +390,22 @@ class _Collector:
         yield from self._exporter._collect()
 
 
+def _progress(state) -> float | None:
+    """The fraction of max_duration trained; in epochs, counting the current one's batches
+    where the epoch's length is known (state.get_elapsed_duration() counts whole epochs)."""
+    duration, ts, length = state.max_duration, state.timestamp, state.dataloader_len
+    if duration is None or duration.value <= 0:
+        return None
+    if duration.unit.value == "ep" and length:
+        return min(1.0, (ts.epoch + ts.batch_in_epoch / length) / duration.value)
+    return min(1.0, state.get_elapsed_duration())
+
+
 def _families(view: _View) -> list:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    extra_labels = {"offloop_learning_rate": ["group"], "offloop_eval_metric": ["dataloader", "metric"],
+    extra_labels = {"offloop_run_info": ["model", "device"],
+                    "offloop_learning_rate": ["group"], "offloop_eval_metric": ["dataloader", "metric"],
                     "offloop_train_metric": ["metric"],
                     "offloop_control_requests": ["op"]}
     families = {}
@@ -395,6 +420,9 @@ def _families(view: _View) -> list:
         if value is not None:
             families[name].add_metric([*labels, *more], value)
 
+    put("offloop_run_info", 1, view.model, view.device)
+    put("offloop_progress_ratio", view.progress)
+    put("offloop_eta_seconds", view.eta)
     put("offloop_loss", view.loss)
     for group, lr in enumerate(view.lr):
         put("offloop_learning_rate", lr, str(group))
