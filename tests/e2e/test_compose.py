@@ -11,6 +11,7 @@ Grafana (its dashboard is checked by test_dashboard.py against Prometheus, not a
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -46,6 +47,13 @@ def test_compose_file_is_valid_and_keeps_the_trainer_on_the_compose_network():
     port = re.search(r"PrometheusExporter\(port=(\d+)", exporter).group(1)
     prometheus = read_yaml((ROOT / "deploy/prometheus.yml").read_text())
     assert _prometheus_job(prometheus)["static_configs"][0]["targets"] == [f"exporter:{port}"]
+
+    # Grafana's admin password comes from the environment, with no admin/admin default
+    assert services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "a-test-password"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OFFLOOP_", "GRAFANA_"))}
+    refused = subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60, env=clean)
+    assert refused.returncode != 0 and "set GRAFANA_ADMIN_PASSWORD" in refused.stderr, refused.stderr
 
     gpu, _ = compose_config("docker-compose.yml", "deploy/compose.gpu.yml")
     devices = gpu["services"]["trainer"]["deploy"]["resources"]["reservations"]["devices"]

@@ -51,8 +51,9 @@ def compose_config(*files: str, env: dict[str, str] | None = None) -> tuple[dict
     for name in files or ("docker-compose.yml",):
         args += ["-f", str(ROOT / name)]
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("OFFLOOP_", "GRAFANA_"))}
+    required = {"GRAFANA_ADMIN_PASSWORD": "a-test-password"}  # compose has no default for it
     done = subprocess.run([*args, "config"], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**clean, **(env or {})})
+                          env={**clean, **required, **(env or {})})
     assert done.returncode == 0, f"docker-compose config failed:\n{done.stderr}"
     return read_yaml(done.stdout), done.stdout
 
