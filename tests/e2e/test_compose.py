@@ -16,7 +16,7 @@ import re
 import shutil
 import subprocess
 
-from helpers.compose_local import ROOT, LocalService, compose_config, read_yaml
+from helpers.compose_local import ROOT, LocalService, compose_config, read_yaml, wait_until
 from helpers.prometheus_server import Prometheus, free_port
 
 PROJECT_SERVICES = ["keys", "trainer", "monitor", "stopper", "exporter"]
@@ -47,6 +47,12 @@ def test_compose_file_is_valid_and_keeps_the_trainer_on_the_compose_network():
     port = re.search(r"PrometheusExporter\(port=(\d+)", exporter).group(1)
     prometheus = read_yaml((ROOT / "deploy/prometheus.yml").read_text())
     assert _prometheus_job(prometheus)["static_configs"][0]["targets"] == [f"exporter:{port}"]
+
+    # every long-running service has a healthcheck, and what waits for one waits for it healthy
+    for name, service in services.items():
+        assert name == "keys" or service["healthcheck"]["test"][0] == "CMD", name
+        for needed, how in (service.get("depends_on") or {}).items():
+            assert how["condition"] == ("service_completed_successfully" if needed == "keys" else "service_healthy")
 
     # Grafana's admin password comes from the environment, with no admin/admin default
     assert services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "a-test-password"
@@ -93,10 +99,14 @@ def test_compose_services_run_as_local_processes_train_monitor_halt_export_and_a
         with Prometheus(tmp_path / "prometheus", json.dumps(prometheus_config)) as prom:
             assert services["trainer"]["depends_on"]["keys"]["condition"] == "service_completed_successfully"
             assert local["keys"].start().wait(timeout=30) == 0, local["keys"].output()
+            assert not local["trainer"].healthy()  # no run yet
             local["trainer"].start()
+            # the monitors start once the trainer's healthcheck passes, as compose starts them
+            wait_until(local["trainer"].healthy, 60, "the trainer's healthcheck to pass", interval=0.5)
             for name in ("monitor", "stopper", "exporter"):
-                assert services[name]["depends_on"]["trainer"]["condition"] == "service_started"
+                assert services[name]["depends_on"]["trainer"]["condition"] == "service_healthy"
                 local[name].start()
+            wait_until(local["exporter"].healthy, 60, "the exporter's healthcheck to pass", interval=0.5)
 
             # Prometheus's scrapes only: one of ours could be the very scrape the exporter's
             # linger waits for (on a loaded machine it may first serve after fit_end), and
@@ -106,6 +116,7 @@ def test_compose_services_run_as_local_processes_train_monitor_halt_export_and_a
 
             code = local["trainer"].wait(timeout=55)
             assert code == 0, local["trainer"].output()
+            assert not local["trainer"].healthy()  # the run has finished
             for name in ("monitor", "stopper", "exporter"):
                 assert local[name].wait(timeout=25) == 0, f"{name}:\n{local[name].output()}"
 

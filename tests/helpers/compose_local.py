@@ -111,6 +111,15 @@ class LocalService:
                                          start_new_session=True)
         return self
 
+    def healthy(self) -> bool:
+        """Whether the service's compose healthcheck (its CMD, mapped as the command is)
+        passes now."""
+        test = self.spec["healthcheck"]["test"]
+        assert test[0] == "CMD", test
+        args = [self.map(arg) for arg in test[1:]]
+        done = subprocess.run(args, cwd=ROOT, env=self.environment(), capture_output=True, timeout=30)
+        return done.returncode == 0
+
     def wait(self, timeout: float) -> int:
         try:
             return self.proc.wait(timeout=timeout)
