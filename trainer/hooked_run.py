@@ -77,7 +77,6 @@ class HookedRun:
         trainer's process group, if any, is up: every rank calls this at the same point."""
         if self.started:
             return
-        self.started = True
         self.rank, self.world_size = distributed.rank(), distributed.world_size()
         self._agreement = distributed.ControlAgreement()
         self.device, self.optimizers, self._save = device, list(optimizers), save
@@ -106,6 +105,7 @@ class HookedRun:
                                     self._serve)
         self._readings = StepReadings(device, self.optimizers, self.emitter.host, per_param_grad_norms=False,
                                       publish_samples=0, flops_fn=None)
+        self.started = True  # from here close() has everything it closes
         try:
             if self.rank == 0:
                 self.workers.start()  # every worker listens before init is published

@@ -116,3 +116,12 @@ def test_two_ddp_ranks_save_the_requested_checkpoint_and_halt_at_the_same_batch(
     assert saved["global_step"] == 2
     info = read_run_info(tmp_path / "run")
     assert info.world_size == 2 and len(info.ranks) == 2 and info.finished
+
+
+def test_a_run_that_cannot_start_fails_the_fit_before_training_and_leaves_nothing_open(tmp_path):
+    from offloop.trainer.errors import ConfigError
+
+    offloop = OffloopCallback(run_dir=tmp_path / "run", keys=tmp_path / "no-such-keys")
+    with pytest.raises(ConfigError, match="no-such-keys"):
+        trainer([offloop]).fit(Classifier(), loader(64))
+    assert not offloop.run.started and not (tmp_path / "run" / "run.json").exists()
