@@ -51,10 +51,6 @@ class OffloopCallback(pl.Callback):
         self._loss: Any = None  # the step's loss as published (staged once on CUDA)
         self._epoch_ended = False  # epoch_end fired before the epoch's validation
 
-    @property
-    def state_key(self) -> str:
-        return f"OffloopCallback[{self.run._names[0] or ''}]"
-
     # ------------------------------------------------------------------ fit
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
