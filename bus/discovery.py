@@ -25,6 +25,7 @@ __all__ = [
     "mark_finished",
     "find_run",
     "list_runs",
+    "pid_alive",
 ]
 
 RUN_FILE = "run.json"
@@ -179,3 +180,14 @@ def _reach(endpoint: str, host: str) -> str:
         if isinstance(endpoint, str) and endpoint.startswith(wildcard):
             return f"tcp://{host}:{endpoint[len(wildcard):]}"
     return endpoint
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -9,7 +9,6 @@ RUN is a run name under $OFFLOOP_RUNS or a run directory.
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 import urllib.request
@@ -18,6 +17,7 @@ import urllib.request
 def run_is_live(run: str) -> str | None:
     """None if `run` is live, else why not."""
     from offloop.bus import BusError, find_run
+    from offloop.bus.discovery import pid_alive
 
     try:
         info = find_run(run)
@@ -25,13 +25,8 @@ def run_is_live(run: str) -> str | None:
         return str(exc)
     if info.finished:
         return f"run {run} has finished"
-    if info.host == socket.gethostname():  # the trainer's pid means something only on its host
-        try:
-            os.kill(info.pid, 0)
-        except ProcessLookupError:
-            return f"run {run}'s trainer (pid {info.pid}) is gone"
-        except PermissionError:
-            pass
+    if info.host == socket.gethostname() and not pid_alive(info.pid):  # a pid means something on its host only
+        return f"run {run}'s trainer (pid {info.pid}) is gone"
     return None
 
 

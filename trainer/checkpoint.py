@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from offloop.bus import ControlRequest, Timestamp
+from offloop.bus.discovery import pid_alive
 from offloop.trainer.errors import CheckpointError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state", "seed_everything", "FORMAT",
@@ -146,21 +147,12 @@ def remove_stale(folder: Path) -> list[str]:
         return removed
     for entry in entries:
         match = _STALE.match(entry.name)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or pid_alive(int(match.group(1))):
             continue
         entry.unlink(missing_ok=True)
         removed.append(entry.name)
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 def _os_error(exc: BaseException | None) -> OSError | None:

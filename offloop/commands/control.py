@@ -48,6 +48,7 @@ def run_checkpoint(args: argparse.Namespace) -> int:
 
 def _ask(args: argparse.Namespace, op: str, request_args: dict):
     from offloop.bus import BusError, ControlClient, ControlTimeout, find_run
+    from offloop.bus.discovery import pid_alive
     from offloop.bus.security import client_keys_for, endpoint_keys
 
     try:
@@ -61,7 +62,7 @@ def _ask(args: argparse.Namespace, op: str, request_args: dict):
     endpoint = info.endpoints.get("control")
     if not endpoint:
         abort(f"run {info.run_name} has no control endpoint (not rank 0, or publishing is off)", 1)
-    if info.host == socket.gethostname() and "://" not in args.run and not _alive(info.pid):
+    if info.host == socket.gethostname() and "://" not in args.run and not pid_alive(info.pid):
         abort(f"run {info.run_name} is not running: its process {info.pid} is gone "
               "(it ended without marking run.json finished)", 1)
     # unique per invocation: a reused pid must never be answered with an earlier run's stored ack
@@ -81,12 +82,3 @@ def _ask(args: argparse.Namespace, op: str, request_args: dict):
         abort(f"run {info.run_name} refused the {op}: {ack.error}", 1)
     return ack
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -61,13 +61,9 @@ def live_status(info) -> str:
     """An unfinished run's status: live (its process is here), dead (gone), or live? (another host)."""
     if info.host != socket.gethostname():
         return "live?"
-    try:
-        os.kill(info.pid, 0)
-    except ProcessLookupError:
-        return "dead"
-    except PermissionError:
-        pass
-    return "live"
+    from offloop.bus.discovery import pid_alive
+
+    return "live" if pid_alive(info.pid) else "dead"
 
 
 def _live_progress(info, keys: str | None, key_name: str) -> dict | None:

@@ -13,7 +13,7 @@ import os
 import socket
 from pathlib import Path
 
-from offloop.bus.discovery import default_runs_root, write_json_atomically
+from offloop.bus.discovery import default_runs_root, pid_alive, write_json_atomically
 
 __all__ = ["TARGETS_FOLDER", "TargetFile", "default_targets_dir"]
 
@@ -51,21 +51,12 @@ def remove_stale(folder: Path) -> None:
     """Remove the files of exporters whose process no longer exists on this host."""
     for path in folder.glob("*-rank*-*.json"):
         pid = path.stem.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             try:
                 path.unlink()
             except FileNotFoundError:
                 pass
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 def _safe(text: str) -> str:
