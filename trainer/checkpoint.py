@@ -25,7 +25,8 @@ from offloop.bus.discovery import pid_alive
 from offloop.trainer.errors import CheckpointError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state", "seed_everything", "FORMAT",
-           "Parts", "Checkpointer", "epoch_iterator", "requested_name", "check_filename"]
+           "Parts", "Checkpointer", "epoch_iterator", "requested_name", "step_name", "unused_name",
+           "check_filename"]
 
 log = logging.getLogger("offloop.trainer")
 
@@ -201,10 +202,10 @@ class Checkpointer:
     def write(self, ts: Timestamp, epoch_rng: dict | None, tag: str, filename: str | None) -> tuple[Path, str]:
         """The file written and the tag rank 0 gave it (under torchrun the other ranks
         hold no request and learn the name and tag from rank 0)."""
-        name = filename or f"ep{ts.epoch}-ba{ts.batch}" + (f"-{tag}" if tag else "") + ".pt"
+        name = filename or step_name(ts, tag)
         taken = ""  # why rank 0 cannot use the name: a file of that name exists
         if self.rank == 0:
-            name, taken = self._unused(name, explicit=filename is not None)
+            name, taken = unused_name(self.folder, name, explicit=filename is not None)
         # one collective on every rank (never inside `if rank == 0`); rank 0's name wins, and
         # every rank judges it after the gather, so all refuse a bad one alike
         states = self.agreement.gather((name, tag, rng_state(), epoch_rng, taken))
@@ -230,18 +231,6 @@ class Checkpointer:
             })
             self.written.append(str(path))
         return path, tag
-
-    def _unused(self, name: str, explicit: bool) -> tuple[str, str]:
-        """(the name to write, why it cannot be written or ""): a checkpoint is never written
-        over. A name the trainer made gets the first free `-2`, `-3`, … (two saves at one
-        step); a file name a client asked for that exists is refused."""
-        if not (self.folder / name).exists():
-            return name, ""
-        if explicit:
-            return name, (f"checkpoint {self.folder / name} exists: a checkpoint is never written over "
-                          "(ask for another filename)")
-        stem = name.removesuffix(".pt")
-        return next(f"{stem}-{n}.pt" for n in itertools.count(2) if not (self.folder / f"{stem}-{n}.pt").exists()), ""
 
     def restore(self, path: str | os.PathLike) -> tuple[Timestamp, dict | None]:
         """Load a checkpoint into the parts and this rank's RNGs; its Timestamp and the
@@ -279,6 +268,25 @@ def _restore_algorithms(algorithms: list, states: list, path: str | os.PathLike)
     for algorithm, algorithm_state in zip(algorithms, states, strict=True):
         if hasattr(algorithm, "load_state_dict"):
             algorithm.load_state_dict(algorithm_state)
+
+
+def step_name(ts: Timestamp, tag: str, suffix: str = ".pt") -> str:
+    """The name a checkpoint of step `ts` gets when its request names no file."""
+    return f"ep{ts.epoch}-ba{ts.batch}" + (f"-{tag}" if tag else "") + suffix
+
+
+def unused_name(folder: Path, name: str, explicit: bool) -> tuple[str, str]:
+    """(the name to write, why it cannot be written or ""): a checkpoint is never written
+    over. A name the trainer made gets the first free `-2`, `-3`, … before its suffix (two
+    saves at one step); a file name a client asked for that exists is refused."""
+    if not (folder / name).exists():
+        return name, ""
+    if explicit:
+        return name, (f"checkpoint {folder / name} exists: a checkpoint is never written over "
+                      "(ask for another filename)")
+    stem, dot, suffix = name.rpartition(".")
+    stem, suffix = (stem, dot + suffix) if dot else (name, "")
+    return next(f"{stem}-{n}{suffix}" for n in itertools.count(2) if not (folder / f"{stem}-{n}{suffix}").exists()), ""
 
 
 def requested_name(requests: Sequence[ControlRequest]) -> tuple[str, str | None]:

@@ -222,9 +222,15 @@ class HookedRun:
         if self._save is None:  # only after the fit (answer_late): the host trainer no longer saves
             raise CheckpointError("the run has finished: this trainer saves only while it trains")
         tag, filename = checkpoint.requested_name(requests)
-        tag, filename = self._agreement.gather((tag, filename))[0] if self._agreement.active else (tag, filename)
-        ts = self.timestamp
-        name = filename or f"ep{ts.epoch}-ba{ts.batch}{'-' + tag if tag else ''}{self.checkpoint_suffix}"
+        name = filename or checkpoint.step_name(self.timestamp, tag, self.checkpoint_suffix)
+        taken = ""  # as offloop's Trainer: never written over, rank 0's name for every rank
+        if self.rank == 0:
+            name, taken = checkpoint.unused_name(self.save_folder, name, explicit=filename is not None)
+        if self._agreement.active:
+            name, tag, taken = self._agreement.gather((name, tag, taken))[0]
+        checkpoint.check_filename(name)
+        if taken:
+            raise CheckpointError(taken)
         try:
             path = self._save(self.save_folder / name)
         except Exception as exc:  # a full disk, a refused path: refused, training goes on

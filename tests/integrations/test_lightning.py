@@ -77,6 +77,19 @@ def test_a_checkpoint_request_is_written_by_lightning_and_acked_with_its_path(tm
     assert resumed.global_step == 8
 
 
+def test_a_requested_checkpoint_never_writes_over_one_that_exists(tmp_path):
+    existing = tmp_path / "run" / "checkpoints" / "ep0-ba3-mine.ckpt"
+    existing.parent.mkdir(parents=True)
+    existing.write_bytes(b"someone else's")
+    offloop = OffloopCallback(run_dir=tmp_path / "run")
+    asker = AskAt(offloop, 3, "checkpoint", {"tag": "mine"})
+    trainer([asker, offloop], max_epochs=1).fit(Classifier(), loader(64))
+    ack = asker.ack()
+    assert ack.ok and ack.result["path"].endswith("ep0-ba3-mine-2.ckpt"), ack
+    assert existing.read_bytes() == b"someone else's"
+    assert torch.load(ack.result["path"], weights_only=False)["global_step"] == 3
+
+
 def test_an_early_stopper_halts_at_the_eval_it_judged(tmp_path):
     # val_loss never improves: patience 1 (epoch) is exceeded at the third eval, as in Composer
     offloop = OffloopCallback([EarlyStopper("val_loss", "eval", patience=1)], run_dir=tmp_path / "run")
