@@ -32,13 +32,15 @@ class Tmux:
         return out.stdout if out.returncode == 0 else f"(capture-pane failed: {out.stderr.strip()})"
 
     def wait_for(self, pattern: str, timeout: float = 30) -> re.Match:
-        deadline = time.monotonic() + timeout
+        deadline, last = time.monotonic() + timeout, ""
         while True:
-            match = re.search(pattern, self.screen())
+            screen = self.screen()
+            match = re.search(pattern, screen)
             if match:
                 return match
-            if time.monotonic() > deadline:
-                raise AssertionError(f"screen never showed {pattern!r}:\n{self.screen()}")
+            last = last if screen.startswith("(capture-pane failed") else screen
+            if time.monotonic() > deadline:  # the last screen read, even if the pane has gone since
+                raise AssertionError(f"screen never showed {pattern!r}:\n{self.screen()}\nlast screen read:\n{last}")
             time.sleep(0.1)
 
     def type(self, text: str) -> None:
