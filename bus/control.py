@@ -31,6 +31,7 @@ from offloop.bus.wire import (
     decode_request,
     encode_reply,
     encode_request,
+    split_envelope,
 )
 from offloop.bus.wire.requests import CONTROL_ARGS, control_refusal
 
@@ -131,7 +132,7 @@ class ControlServer:
         #: waiting at a boundary (not polling each batch) is woken by it
         self.on_request: Callable[[], None] | None = None
         self._outbox: deque[tuple[ControlRequest, bytes]] = deque()
-        self._pending: dict[tuple[str, int], bytes] = {}  # key -> latest routing identity
+        self._pending: dict[tuple[str, int], list[bytes]] = {}  # key -> latest attempt's routing envelope
         # at most this many requests (and bytes of them) wait for the trainer; more are refused
         self._max_queued, self._max_queued_bytes = max_queued, max_queued_bytes
         self._pending_bytes: dict[tuple[str, int], int] = {}
@@ -240,7 +241,7 @@ class ControlServer:
             alive = wake.recv() != b"stop" and alive
         while self._outbox:
             request, body = self._outbox.popleft()
-            identity = self._pending.pop(request.key, None)
+            envelope = self._pending.pop(request.key, None)
             self._queued_bytes -= self._pending_bytes.pop(request.key, 0)
             self._remember(self._acks, request.key, body)
             client, req = request.key
@@ -248,8 +249,8 @@ class ControlServer:
             while len(self._answered) > self._keep_acks:
                 self._answered.popitem(last=False)
             self.stats.acked += 1
-            if identity is not None:
-                router.send_multipart([identity, body])
+            if envelope is not None:
+                router.send_multipart([*envelope, body])
         return alive
 
     def _remember(self, store: OrderedDict, key: tuple[str, int], body: bytes) -> None:
@@ -257,30 +258,32 @@ class ControlServer:
         while len(store) > self._keep_acks:
             store.popitem(last=False)
 
-    def _refuse_now(self, router: zmq.Socket, identity: bytes, request: ControlRequest, error: str) -> bytes:
+    def _refuse_now(self, router: zmq.Socket, envelope: list[bytes], request: ControlRequest,
+                    error: str) -> bytes:
         body = encode_reply("ack", client=request.client, req=request.req, op=request.op,
                             ok=False, result={}, error=error)
-        router.send_multipart([identity, body])
+        router.send_multipart([*envelope, body])
         return body
 
     def _receive(self, router: zmq.Socket, frames: list) -> None:
-        identity = frames[0].bytes
-        if len(frames) != 2:
+        split = split_envelope(frames)  # from a client, or relayed by `offloop relay`
+        if split is None:
             self.stats.malformed += 1
             return
-        if len(frames[1]) > self.limits.max_body_bytes:
+        envelope, frame = split
+        if len(frame) > self.limits.max_body_bytes:
             self.stats.oversized += 1
-            router.send_multipart([identity, encode_reply(
-                "error", error=f"request is {len(frames[1])} bytes, the limit is "
+            router.send_multipart([*envelope, encode_reply(
+                "error", error=f"request is {len(frame)} bytes, the limit is "
                                f"{self.limits.max_body_bytes}")])
             return
         try:
-            body = decode_request(frames[1], self.limits)
+            body = decode_request(frame, self.limits)
             if body["k"] != "ctl":
                 raise WireError(f"request kind {body['k']!r} is not served on the control socket")
         except WireError as exc:
             self.stats.malformed += 1
-            router.send_multipart([identity, encode_reply("error", error=str(exc))])
+            router.send_multipart([*envelope, encode_reply("error", error=str(exc))])
             return
         self.stats.received += 1
         request = ControlRequest(body["client"], body["req"], body["op"], body["args"],
@@ -289,34 +292,34 @@ class ControlServer:
         kept = self._acks.get(key) or self._refusals.get(key)
         if kept is not None:
             self.stats.duplicates += 1
-            router.send_multipart([identity, kept])
+            router.send_multipart([*envelope, kept])
             return
         if key in self._pending:
             self.stats.duplicates += 1
-            self._pending[key] = identity  # the ack goes to the latest attempt
+            self._pending[key] = envelope  # the ack goes to the latest attempt
             return
         answered = self._answered.get(request.client)
         if answered is not None and request.req <= answered:
             self.stats.stale += 1
-            self._refuse_now(router, identity, request, (
+            self._refuse_now(router, envelope, request, (
                 f"request {request.req} of client {request.client} was answered long ago (its ack is no "
                 "longer kept): not applied again"))
             return
-        refusal = self._refusal(request, frames[1])
+        refusal = self._refusal(request, frame)
         if refusal:
             self.stats.refused += 1
-            self._remember(self._refusals, key, self._refuse_now(router, identity, request, refusal))
+            self._remember(self._refusals, key, self._refuse_now(router, envelope, request, refusal))
             return
-        size = len(frames[1])
+        size = len(frame)
         if len(self._pending) >= self._max_queued or self._queued_bytes + size > self._max_queued_bytes:
             self.stats.overflow += 1  # not kept: a retry once the queue has room is served
-            self._refuse_now(router, identity, request, (
+            self._refuse_now(router, envelope, request, (
                 f"the trainer has {len(self._pending)} requests ({self._queued_bytes} bytes) waiting, the most "
                 f"it queues ({self._max_queued}, {self._max_queued_bytes} bytes): refused, ask again later"))
             return
         self._pending_bytes[key] = size
         self._queued_bytes += size
-        self._pending[key] = identity
+        self._pending[key] = envelope
         self.inbox.append(request)
         if self.on_request is not None:
             self.on_request()

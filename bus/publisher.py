@@ -34,6 +34,7 @@ from typing import Any
 import zmq
 
 from offloop.bus.events import RUN_TOPICS, Event
+from offloop.bus.events_proxy import run_events_proxy
 from offloop.bus.wire import (
     BURST_PREFIX,
     DEFAULT_LIMITS,
@@ -45,6 +46,7 @@ from offloop.bus.wire import (
     encode_heartbeat,
     encode_reply,
     entry_ts,
+    split_envelope,
     topic_prefix,
 )
 
@@ -232,7 +234,7 @@ class Publisher:
 
         self.endpoints = {"events": events, "state": state}
         self._threads = [
-            threading.Thread(target=_run_proxy, args=(front, back, proxy_ctl, self._cut, events), daemon=True,
+            threading.Thread(target=run_events_proxy, args=(front, back, proxy_ctl, self._cut, events), daemon=True,
                              name="offloop-proxy"),
             threading.Thread(target=self._serve, args=(watcher, router, stop), daemon=True,
                              name="offloop-publisher"),
@@ -608,31 +610,37 @@ class Publisher:
         """Answer what waits at the state socket, STATE_BATCH requests a round: info and bad
         requests at once, the late-join requests together (one settle wait and one
         snapshot for all of them), so a backlog never holds up heartbeats or close()."""
-        joiners: list[tuple[bytes, list[str] | None]] = []
+        joiners: list[tuple[list[bytes], list[str] | None]] = []
         while len(joiners) < STATE_BATCH and router.poll(0):
             frames = router.recv_multipart(copy=False)
-            identity, body = frames[0].bytes, frames[-1]
+            split = split_envelope(frames)  # from a client, or relayed by `offloop relay`
+            if split is None:
+                self.bad_requests += 1
+                router.send_multipart([frames[0].bytes, encode_reply(
+                    "error", error=f"a request is one frame; got {len(frames) - 1}")])
+                continue
+            envelope, body = split
             refusal = self._curve.access.refusal(body.get("User-Id")) if self._curve is not None else None
             if refusal:  # a key revoked after its connection was made
                 self.unauthorized += 1
-                router.send_multipart([identity, encode_reply("error", error=refusal)])
+                router.send_multipart([*envelope, encode_reply("error", error=refusal)])
                 continue
             try:  # a state_req's topics are checked there; an info_req's other fields are not read
                 request = decode_request(body, self.limits)
             except WireError as exc:
                 self.bad_requests += 1
-                router.send_multipart([identity, encode_reply("error", error=str(exc))])
+                router.send_multipart([*envelope, encode_reply("error", error=str(exc))])
                 continue
             kind = request["k"]
             if kind == "state_req":
                 self.state_requests += 1
-                joiners.append((identity, request["topics"]))
+                joiners.append((envelope, request["topics"]))
             elif kind == "info_req":
-                router.send_multipart([identity, encode_reply("info", run=self._info_for_peer())])
+                router.send_multipart([*envelope, encode_reply("info", run=self._info_for_peer())])
             else:
                 self.bad_requests += 1
                 router.send_multipart(
-                    [identity, encode_reply("error", error=f"{kind!r} is not served on the state socket")]
+                    [*envelope, encode_reply("error", error=f"{kind!r} is not served on the state socket")]
                 )
         if not joiners:
             return
@@ -648,8 +656,8 @@ class Publisher:
         with self._send_lock:  # what is held leaves first: the state then has it
             self._release_held()
             snapshot = self._state_snapshot()
-        for identity, topics in joiners:
-            router.send_multipart([identity, *self._state_frames(snapshot, topics)], copy=False)
+        for envelope, topics in joiners:
+            router.send_multipart([*envelope, *self._state_frames(snapshot, topics)], copy=False)
 
     def _info_for_peer(self) -> dict[str, Any]:
         """run.json for an authorised key; without keys any local account can ask, so only
@@ -718,18 +726,6 @@ def _check_topic(topic: str) -> None:
         raise WireError(f"topic {topic!r} is empty, contains NUL or starts with '_' (reserved)")
 
 
-def _bind_again(sock: zmq.Socket, endpoint: str, attempts: int = 50) -> None:
-    for _ in range(attempts):  # the port was ours a moment ago; another process could take it meanwhile
-        try:
-            sock.bind(endpoint)
-            return
-        except zmq.ZMQError as exc:
-            error = exc
-            time.sleep(0.02)
-    log.error("offloop: the events socket could not bind %s again after cutting a revoked key's "
-              "connection (%s): no subscriber can reach this run's events from now on", endpoint, error)
-
-
 def _topics_for(subscriptions) -> frozenset[str]:
     """The topics a set of SUB prefixes selects (b"" selects every topic)."""
     wanted: set[str] = set()
@@ -744,22 +740,3 @@ def _topics_for(subscriptions) -> frozenset[str]:
             text = prefix.decode(errors="replace")
             wanted.update(t for t in RUN_TOPICS if t.startswith(text))
     return frozenset(wanted)
-
-
-def _run_proxy(front: zmq.Socket, back: zmq.Socket, control: zmq.Socket, cut: threading.Event,
-               endpoint: str) -> None:
-    """The events proxy, run in libzmq; stopped and started again around a cut (an unbind,
-    which closes every connection made through the endpoint, and a bind to the same port)."""
-    try:
-        while True:
-            zmq.proxy_steerable(front, back, None, control)
-            if not cut.is_set():
-                return
-            cut.clear()
-            back.unbind(endpoint)
-            _bind_again(back, endpoint)
-    except zmq.ContextTerminated:
-        pass
-    finally:
-        for sock in (front, back, control):
-            sock.close(linger=0)

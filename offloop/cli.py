@@ -21,6 +21,8 @@ COMMANDS = {
     "attach": ("attach", "add_arguments", "run", "watch a running job live in the terminal (read-only)"),
     "ls": ("ls", "add_arguments", "run", "list runs, live or finished, with their progress"),
     "keys": ("keys", "add_arguments", "run", "create CURVE keys for a trainer and its clients"),
+    "relay": ("relay", "add_arguments", "run",
+              "forward a run's events, state and control to many monitors (other hosts)"),
     "replay": ("replay", "add_arguments", "run", "feed a recording to callbacks, offline"),
 }
 

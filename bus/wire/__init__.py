@@ -15,7 +15,13 @@ raise `WireError` — never anything else.
 from offloop.bus.errors import WireError
 from offloop.bus.wire.bursts import decode_burst, entry_ts
 from offloop.bus.wire.events import EventEncoder, decode_event, encode_heartbeat, event_frames
-from offloop.bus.wire.requests import decode_reply, decode_request, encode_reply, encode_request
+from offloop.bus.wire.requests import (
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+    split_envelope,
+)
 from offloop.bus.wire.values import (
     BURST_PREFIX,
     BURST_TOPIC,
@@ -50,5 +56,6 @@ __all__ = [
     "encode_request",
     "entry_ts",
     "event_frames",
+    "split_envelope",
     "topic_prefix",
 ]

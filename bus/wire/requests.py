@@ -133,3 +133,23 @@ def control_refusal(op: str, args: dict) -> str | None:
 
 def decode_reply(frame, limits: Limits = DEFAULT_LIMITS) -> dict:
     return _decode_body(frame, REPLY_SCHEMAS, limits, "reply")
+
+
+#: the longest routing identity libzmq gives or accepts (ZMQ_ROUTING_ID)
+MAX_IDENTITY_BYTES = 255
+
+
+def split_envelope(frames: list) -> tuple[list[bytes], Any] | None:
+    """A request as a ROUTER receives it: (the routing envelope to answer to, the body),
+    or None for any other layout. Two layouts are served: ``[peer, body]`` from a client's
+    DEALER, and ``[relay, client, b"", body]`` from `offloop relay`'s DEALER, which names
+    the client to route the answer back to (one hop, as ROUTER/DEALER proxies do)."""
+    if len(frames) == 2:
+        return [_as_bytes(frames[0])], frames[1]
+    if len(frames) == 4 and len(frames[2]) == 0 and 0 < len(frames[1]) <= MAX_IDENTITY_BYTES:
+        return [_as_bytes(f) for f in frames[:3]], frames[3]
+    return None
+
+
+def _as_bytes(frame) -> bytes:
+    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)

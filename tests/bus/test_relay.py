@@ -1,0 +1,270 @@
+"""`offloop relay` in a process of its own, between a real publisher and control server
+(this process) and real subscribers and control clients."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from offloop.bus import (
+    ControlClient,
+    ControlServer,
+    Publisher,
+    PublisherSilent,
+    RunInfo,
+    Subscriber,
+    find_run,
+    read_run_info,
+    write_run_info,
+)
+from offloop.bus.security import generate_keys, load_client_keys, load_server_keys
+from offloop.bus.wire import decode_reply, encode_request
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_until(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def a_run(tmp_path, keys=None, relay_key="relay"):
+    """A publisher and control server with run.json, as a trainer's rank 0 has them."""
+    ctx = zmq.Context()
+    server_keys = load_server_keys(keys) if keys else None
+    auth = server_keys.start_authenticator(ctx) if server_keys else None
+    pub = Publisher("relayed-run", heartbeat_interval=0.1, context=ctx, curve=server_keys)
+    endpoints = pub.start()
+    pub.set_config({"model": "mlp"})
+    control = ControlServer(context=ctx, curve=server_keys)
+    endpoints["control"] = control.start()
+    run_dir = tmp_path / "runs" / "relayed"
+    info = RunInfo(pub.run_id, "relayed", os.getpid(), time.time(), endpoints,
+                   curve_public=server_keys.public.decode() if server_keys else "")
+    write_run_info(run_dir, info)
+    pub.run_info = info.to_dict()
+    try:
+        yield pub, control, run_dir
+    finally:
+        pub.close(linger=0.3)
+        control.close()
+        if auth is not None:
+            auth.stop()
+        ctx.term()
+
+
+@contextlib.contextmanager
+def a_relay(run_dir, announce, *args):
+    """`offloop relay RUN_DIR --announce ROOT`, once its announced run.json names it."""
+    proc = subprocess.Popen([sys.executable, "-m", "offloop.cli", "relay", str(run_dir), "--announce",
+                             str(announce), "--heartbeat-timeout", "2", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT.parent)
+    try:
+        path = announce / read_run_info(run_dir).run_name / "run.json"
+        wait_until(lambda: path.exists() or proc.poll() is not None, 30, "the relay to announce itself")
+        if proc.poll() is not None:
+            raise AssertionError(f"the relay exited: {proc.communicate()[1]}")
+        yield proc, read_run_info(path.parent)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.communicate(timeout=15)
+
+
+@contextlib.contextmanager
+def acking(control, **result):
+    """The trainer's side: every request that reaches `control` is acked with `result`."""
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            for request in control.poll():
+                request.ack(**result)
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def drain(sub, published, beats=4, timeout=60.0):
+    """What `sub` delivers until it has accounted for `published` events (received or
+    counted lost), then while `beats` more heartbeats come (0.1 s apart, each counting
+    tail loss once 0.3 s old): anything counted twice would show by then."""
+    got, target = [], None
+    deadline = time.monotonic() + timeout
+    while target is None or sub.stats.heartbeats < target:
+        if target is None and sub.stats.received + sub.stats.gaps >= published:
+            target = sub.stats.heartbeats + beats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{sub.stats} after {timeout}s; {published} published")
+        msg = sub.recv(timeout=0.05)
+        if msg is not None:
+            got.append(msg)
+    return got
+
+
+def test_every_event_reaches_monitors_through_the_relay_with_late_join_state_and_info(tmp_path):
+    with a_run(tmp_path) as (pub, _, run_dir):
+        pub.hold(0.005)
+        for batch in range(1, 51):  # before anyone joins: the state has the latest of these
+            pub.publish("batch_end", (0, batch, batch, batch, 0), {"loss": 1.0 / batch})
+        pub.release()
+        with a_relay(run_dir, tmp_path / "announced") as (relay, relayed):
+            upstream = read_run_info(run_dir).endpoints
+            assert set(relayed.endpoints) == {"events", "state", "control"}
+            assert not set(relayed.endpoints.values()) & set(upstream.values())
+            asked = find_run(relayed.endpoints["state"])  # info through the relay names the relay
+            assert asked.endpoints == relayed.endpoints and asked.run_id == pub.run_id
+            assert asked.extra["relayed_from"] == upstream["state"]
+            every = Subscriber(relayed.endpoints["events"], relayed.endpoints["state"], settle=0.3)
+            one = Subscriber(relayed.endpoints["events"], relayed.endpoints["state"], topics=["batch_end"],
+                             settle=0.3)
+            with every, one:
+                joined = every.connect(join_timeout=10)
+                one.connect(join_timeout=10)
+                assert joined.run == pub.run_id and joined.config == {"model": "mlp"}
+                assert [e.data["loss"] for e in joined.entries if e.topic == "batch_end"] == [1.0 / 50]
+                for batch in range(51, 2051):
+                    pub.publish("batch_end", (0, batch, batch, batch, 0), {"loss": 1.0 / batch})
+                    pub.release_due()
+                pub.release()
+                for sub in (every, one):
+                    live = [m.tseq for m in drain(sub, 2000) if not m.from_state]
+                    assert sub.stats.duplicates == 0 and sub.stats.malformed == 0
+                    # 50 was in the state; every later one arrives or is counted lost, exactly once
+                    assert sub.stats.received + sub.stats.gaps == 2000
+                    assert live == sorted(set(live)) and live[-1] == 2050
+                    # the only loss allowed: events sent before the relay's subscription reached
+                    # the trainer, at the start (a topic new to the relay), counted
+                    assert live[0] == 51 + sub.stats.gaps and len(live) == 2050 - live[0] + 1
+                    assert sub.stats.heartbeats > 0  # the trainer's own, through the relay
+
+
+def test_a_monitor_that_stops_reading_counts_exactly_what_the_relays_queue_dropped(tmp_path):
+    with a_run(tmp_path) as (pub, _, run_dir):
+        with a_relay(run_dir, tmp_path / "announced", "--subscriber-hwm", "50") as (relay, relayed):
+            with Subscriber(relayed.endpoints["events"], topics=["pad"], rcvhwm=10, settle=0.3) as slow:
+                slow.connect(join_timeout=10)
+                wait_until(lambda: "pad" in pub._single, 10, "the subscription to reach the trainer")
+                pad = b"x" * (64 << 10)
+                for i in range(3000):  # far more than the relay's queue, both TCP buffers and ours
+                    pub.publish("pad", (0, i, i, i, 0), {"pad": pad})
+                published = pub._tseq["pad"]
+                drain(slow, published)
+                assert slow.stats.gaps > 0  # something was lost, and counted
+                assert slow.stats.received + slow.stats.gaps == published
+                assert slow.stats.duplicates == 0
+
+
+def test_control_through_the_relay_is_applied_once_and_acked(tmp_path):
+    with a_run(tmp_path) as (pub, control, run_dir):
+        with a_relay(run_dir, tmp_path / "announced") as (relay, relayed):
+            with ControlClient(relayed.endpoints["control"], client_id="monitor-1") as client, \
+                    acking(control, step=7, epoch=0):
+                ack = client.halt("through the relay", timeout=15)
+            assert ack.ok and ack.result == {"step": 7, "epoch": 0}
+            assert control.stats.received == 1 and control.stats.acked == 1
+            # a retry of the same request, through the relay, gets the stored ack, not a second halt
+            dealer = zmq.Context.instance().socket(zmq.DEALER)
+            dealer.linger = 0
+            try:
+                dealer.connect(relayed.endpoints["control"])
+                dealer.send(encode_request("ctl", client="monitor-1", req=1, op="halt",
+                                           args={"reason": "through the relay"}, t=time.time()))
+                assert dealer.poll(10_000), "no answer to the retry"
+                again = decode_reply(dealer.recv())
+            finally:
+                dealer.close()
+            assert again["ok"] and again["result"] == {"step": 7, "epoch": 0}
+            assert control.stats.duplicates == 1 and control.poll() == []
+
+
+def test_the_trainer_answers_a_relayed_envelope_and_refuses_other_layouts(tmp_path):
+    with a_run(tmp_path) as (pub, control, run_dir), acking(control, step=1):
+        ctx = zmq.Context.instance()
+        for endpoint, counter in ((pub.endpoints["state"], lambda: pub.bad_requests),
+                                  (control.endpoint, lambda: control.stats.malformed)):
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.linger = 0
+            try:
+                dealer.connect(endpoint)
+                body = (encode_request("info_req") if endpoint == pub.endpoints["state"] else
+                        encode_request("ctl", client="c", req=1, op="halt", args={"reason": ""}, t=0.0))
+                dealer.send_multipart([b"client-7", b"", body])  # as the relay sends it
+                assert dealer.poll(10_000)
+                frames = dealer.recv_multipart()
+                assert frames[:2] == [b"client-7", b""]  # routed back through the envelope
+                assert decode_reply(frames[2])["k"] in ("info", "ack")
+                before = counter()
+                dealer.send_multipart([b"client-7", body])  # no delimiter: no layout the servers serve
+                wait_until(lambda counter=counter, before=before: counter() > before, 10, "the refusal")
+            finally:
+                dealer.close()
+
+
+@pytest.fixture
+def keys(tmp_path):
+    folder = tmp_path / "keys"
+    generate_keys(folder, "relay", role="control")  # the trainer admits the relay
+    generate_keys(folder, "watcher", role="monitor")  # the relay admits these two
+    generate_keys(folder, "operator", role="control")
+    generate_keys(tmp_path / "strangers", "stranger")
+    return folder
+
+
+def test_with_keys_the_relay_admits_only_its_keys_and_a_monitor_key_cannot_halt(tmp_path, keys):
+    with a_run(tmp_path, keys=keys) as (pub, control, run_dir):
+        with a_relay(run_dir, tmp_path / "announced", "--keys", str(keys)) as (relay, relayed):
+            assert relayed.curve_public
+            watcher = load_client_keys(keys, "watcher", relayed.curve_public)
+            with Subscriber(relayed.endpoints["events"], relayed.endpoints["state"], curve=watcher) as sub:
+                assert sub.connect(join_timeout=10).run == pub.run_id
+            with ControlClient(relayed.endpoints["control"], client_id="w", curve=watcher) as client:
+                ack = client.halt("a monitor may not", timeout=15)
+            assert not ack.ok and "refused by the relay" in ack.error and "monitor" in ack.error
+            assert control.stats.received == 0  # it never reached the trainer
+
+            operator = load_client_keys(keys, "operator", relayed.curve_public)
+            with ControlClient(relayed.endpoints["control"], client_id="o", curve=operator) as client, \
+                    acking(control, step=3):
+                ack = client.halt("an operator may", timeout=15)
+            assert ack.ok and ack.result == {"step": 3}
+
+            stranger = load_client_keys(tmp_path / "strangers", "stranger", relayed.curve_public)
+            with Subscriber(relayed.endpoints["events"], relayed.endpoints["state"], curve=stranger) as sub:
+                with pytest.raises(PublisherSilent):
+                    sub.connect(join_timeout=2)
+
+
+def test_a_run_with_keys_is_refused_a_relay_without_a_key_for_it(tmp_path, keys):
+    with a_run(tmp_path, keys=keys) as (_, _, run_dir):
+        done = subprocess.run([sys.executable, "-m", "offloop.cli", "relay", str(run_dir)],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT.parent)
+    assert done.returncode == 2
+    assert "has keys" in done.stderr and "--keys" in done.stderr
+
+
+def test_the_relay_exits_once_the_run_has_finished_and_marks_its_announcement(tmp_path):
+    with a_run(tmp_path) as (pub, _, run_dir):
+        with a_relay(run_dir, tmp_path / "announced") as (relay, _):
+            pub.close(linger=0.3)  # final heartbeats
+            relay.wait(timeout=30)
+            assert relay.returncode == 0
+        assert read_run_info(tmp_path / "announced" / "relayed").finished
