@@ -186,7 +186,7 @@ def test_control_through_the_relay_is_applied_once_and_acked(tmp_path):
             dealer.linger = 0
             try:
                 dealer.connect(relayed.endpoints["control"])
-                dealer.send(encode_request("ctl", client="monitor-1", req=1, op="halt",
+                dealer.send(encode_request("ctl", client="monitor-1", req=ack.req, op="halt",
                                            args={"reason": "through the relay"}, t=time.time()))
                 assert dealer.poll(10_000), "no answer to the retry"
                 again = decode_reply(dealer.recv())
