@@ -2,7 +2,9 @@
 
 Promise: every lost message is counted (per-topic sequence numbers, tail loss from
 heartbeats), the late-join state comes first and nothing older than it is delivered
-again, and a publisher that falls silent is reported, never waited on forever.
+again, and a publisher that falls silent is reported, never waited on forever. A
+subscriber told to wait out a silence (`give_up_after`) takes the state again when the
+heartbeats come back and folds in only what it lost, so the counts stay exact.
 """
 
 from __future__ import annotations
@@ -52,6 +54,14 @@ class SubscriberStats:
     malformed: int = 0
     heartbeats: int = 0
     gaps_by_topic: dict[str, int] = field(default_factory=dict)
+    #: silences longer than the heartbeat timeout that were waited out (partitions)
+    silences: int = 0
+    #: late-join states taken again after a silence, and those that did not come in time
+    resyncs: int = 0
+    resync_failures: int = 0
+    #: entries of those states delivered (from_state): the latest value of a topic whose
+    #: newest events were lost; never counted as received
+    resynced: int = 0
 
 
 class Subscriber:
@@ -64,6 +74,7 @@ class Subscriber:
         *,
         topics: Iterable[str] | None = None,
         heartbeat_timeout: float = 5.0,
+        give_up_after: float | None = None,
         settle: float = 0.0,
         rcvhwm: int = 10_000,
         limits: Limits = DEFAULT_LIMITS,
@@ -73,6 +84,16 @@ class Subscriber:
         self.events_endpoint, self.state_endpoint = events, state
         self.topics = None if topics is None else frozenset(str(t) for t in topics)
         self.heartbeat_timeout = heartbeat_timeout
+        # seconds of silence before recv() raises PublisherSilent; between the heartbeat
+        # timeout and this, the publisher counts as cut off (`silent_since`) and is waited for
+        if give_up_after is not None and give_up_after < heartbeat_timeout:
+            raise ValueError(f"give_up_after must be >= heartbeat_timeout ({heartbeat_timeout:g}), "
+                             f"got {give_up_after!r}")
+        self.give_up_after = heartbeat_timeout if give_up_after is None else give_up_after
+        #: monotonic time the publisher was last heard, while a silence is being waited out
+        self.silent_since: float | None = None
+        #: seconds the last silence lasted, from the last message before it to the first after
+        self.last_silence = 0.0
         # seconds a heartbeat waits before its loss is counted: none is needed, since a
         # heartbeat cannot overtake the events it announces (they share one pipe); a
         # subscriber of several publishers' streams through a relay may want a margin
@@ -99,6 +120,13 @@ class Subscriber:
         self._latest_beat = 0
         self._final_at: float | None = None
         self._joined = False
+        self._resync_due = False
+        # per (pub, topic): the newest run of lost tseqs (first, last), merged when runs touch;
+        # a resync entry inside it, at the stream's end, is a value this subscriber never got
+        self._lost_tail: dict[tuple[str, str], tuple[int, int]] = {}
+        # resync entries newer than the stream so far: delivered once the stream reaches them
+        # and they prove lost, dropped once a live event as new arrives
+        self._awaiting: dict[tuple[str, str], Message] = {}
 
     # ------------------------------------------------------------ joining
 
@@ -157,20 +185,8 @@ class Subscriber:
         return [header, frames[1:]], header["beat"]
 
     def _apply_state(self, state: list) -> None:
-        header, frames = state
-        entries, at = [], 0
-        for count in header["entries"]:
-            if not isinstance(count, int) or count < 1 or at + count > len(frames):
-                raise WireError(f"late-join state lists an entry of {count!r} frames")
-            entry = decode_event(frames[at : at + count], self.limits)
-            entry.raw = [f.bytes if hasattr(f, "bytes") else f for f in frames[at : at + count]]
-            entries.append(entry)
-            at += count
+        header, entries = self._decode_state(state)
         pub, tseqs = header["pub"], header["tseq"]
-        if not isinstance(tseqs, dict) or not all(
-                isinstance(t, str) and isinstance(n, int) and not isinstance(n, bool)
-                for t, n in tseqs.items()):
-            raise WireError("late-join state field 'tseq' must map topic names to integers")
         self._known_pubs.add(pub)
         for topic, tseq in tseqs.items():
             if self._selected(topic):
@@ -183,6 +199,24 @@ class Subscriber:
         self._pending.extendleft(reversed(entries))
         self.join_state = JoinState(header["run"], pub, header["config"], entries, header["seq"])
 
+    def _decode_state(self, state: list) -> tuple[dict, list[Message]]:
+        """A state reply's header (its `tseq` checked) and entries; WireError if malformed."""
+        header, frames = state
+        entries, at = [], 0
+        for count in header["entries"]:
+            if not isinstance(count, int) or count < 1 or at + count > len(frames):
+                raise WireError(f"late-join state lists an entry of {count!r} frames")
+            entry = decode_event(frames[at : at + count], self.limits)
+            entry.raw = [f.bytes if hasattr(f, "bytes") else f for f in frames[at : at + count]]
+            entries.append(entry)
+            at += count
+        tseqs = header["tseq"]
+        if not isinstance(tseqs, dict) or not all(
+                isinstance(t, str) and isinstance(n, int) and not isinstance(n, bool)
+                for t, n in tseqs.items()):
+            raise WireError("late-join state field 'tseq' must map topic names to integers")
+        return header, entries
+
     # ---------------------------------------------------------- receiving
 
     def recv(self, timeout: float | None = None) -> Message | None:
@@ -192,9 +226,50 @@ class Subscriber:
         while not self._pending:
             if self.finished:
                 return None
+            if self._resync_due:
+                self._resync()
+                continue
             if not self._pump(deadline, raise_on_deadline=False):
                 return None
         return self._pending.popleft()
+
+    def _resync(self) -> None:
+        """After a silence, take the state again and fold in what the silence cost us.
+        Only `_pending` changes: `_last` and the counters stay as the stream made them, so
+        received + gaps still equals what was published, and no event is delivered twice."""
+        self._resync_due = False
+        if self.state_endpoint is None:
+            return
+        try:
+            state, _ = self._request_state(time.monotonic() + self.heartbeat_timeout)
+            header, entries = self._decode_state(state)
+        except (PublisherSilent, WireError):
+            self.stats.resync_failures += 1
+            return
+        self.stats.resyncs += 1
+        pub = header["pub"]
+        for entry in entries:
+            key = (pub, entry.topic)
+            last = self._last.get(key, 0)
+            entry.from_state = True
+            if entry.tseq > last:  # still on its way, or about to prove lost
+                self._awaiting[key] = entry
+            elif self._lost(key, entry.tseq):
+                self._deliver_resynced(entry)
+
+    def _lost(self, key: tuple[str, str], tseq: int) -> bool:
+        """Whether `tseq` was counted lost and nothing newer of its topic was received."""
+        run = self._lost_tail.get(key)
+        return run is not None and run[1] == self._last.get(key) and run[0] <= tseq <= run[1]
+
+    @property
+    def resync_waiting(self) -> int:
+        """Entries of the last resync still waiting for the stream to reach them."""
+        return len(self._awaiting)
+
+    def _deliver_resynced(self, entry: Message) -> None:
+        self.stats.resynced += 1
+        self._pending.append(entry)
 
     def _pump(self, deadline: float | None, raise_on_deadline: bool = True) -> bool:
         """Receive and process one message into the pending queue; False on deadline."""
@@ -216,9 +291,14 @@ class Subscriber:
             # while joining, the join deadline is the only limit
             silence = self._last_heard + self.heartbeat_timeout if self._joined else float("inf")
             if now >= silence and not self.finished:
-                raise PublisherSilent(
-                    f"no heartbeat from {self.events_endpoint} for {self.heartbeat_timeout:g}s"
-                )
+                silence = self._last_heard + self.give_up_after
+                if now >= silence:
+                    raise PublisherSilent(
+                        f"no heartbeat from {self.events_endpoint} for {self.give_up_after:g}s"
+                    )
+                if self.silent_since is None:  # cut off, or gone: waited for until give_up_after
+                    self.silent_since = self._last_heard
+                    self.stats.silences += 1
             if deadline is not None and now >= deadline:
                 if raise_on_deadline:
                     raise PublisherSilent(
@@ -242,6 +322,10 @@ class Subscriber:
             self.stats.malformed += 1  # its events are counted lost by the next heartbeats
             return
         self._last_heard = time.monotonic()
+        if self.silent_since is not None:  # heard again: what came before is in order behind us
+            self.last_silence = self._last_heard - self.silent_since
+            self.silent_since = None
+            self._resync_due = True
         if burst:
             topics = self.topics  # a burst reaches a topic filter only through b"" by hand
             for msg in msgs:
@@ -268,10 +352,12 @@ class Subscriber:
                 self.stats.duplicates += 1
                 return
             if msg.tseq > last + 1:
-                self._count_gap(msg.topic, msg.tseq - last - 1)
+                self._count_gap(key, last + 1, msg.tseq - 1)
         self._last[key] = msg.tseq
         self.stats.received += 1
         self._pending.append(msg)
+        if self._awaiting and key in self._awaiting and msg.tseq >= self._awaiting[key].tseq:
+            del self._awaiting[key]  # the stream brought it, or something newer
 
     def _settle_beats(self) -> None:
         """Count tail loss against heartbeats old enough that nothing sent before them
@@ -287,15 +373,23 @@ class Subscriber:
                 if last is None:
                     self._last[key] = tseq  # first sight of this topic: the baseline
                 elif tseq > last:
-                    self._count_gap(topic, tseq - last)
+                    self._count_gap(key, last + 1, tseq)
                     self._last[key] = tseq
+                    entry = self._awaiting.get(key)
+                    if entry is not None and entry.tseq <= tseq:  # it proved lost: its value is news
+                        del self._awaiting[key]
+                        self._deliver_resynced(entry)
             self._known_pubs.add(beat.pub)
         if self._final_at is not None and self._final_at <= cutoff and not self._beats:
             self.finished = True
 
-    def _count_gap(self, topic: str, n: int) -> None:
+    def _count_gap(self, key: tuple[str, str], first: int, last: int) -> None:
+        """Count tseqs first..last of `key` lost, and remember the newest run of losses."""
+        n, topic = last - first + 1, key[1]
         self.stats.gaps += n
         self.stats.gaps_by_topic[topic] = self.stats.gaps_by_topic.get(topic, 0) + n
+        run = self._lost_tail.get(key)
+        self._lost_tail[key] = (run[0] if run is not None and run[1] + 1 == first else first, last)
 
     def _selected(self, topic: str) -> bool:
         return self.topics is None or topic in self.topics

@@ -4,7 +4,9 @@ Promise: callbacks run sequentially in the order given (as pytorch-accelerated's
 CallbackHandler does); one callback's exception is logged with the event and the
 traceback and (by default) disables that callback only; the worker joins a run
 already under way from its late-join state; on `fit_end`, or when the trainer falls
-silent, it runs close()/post_close() and exits with a clear message.
+silent, it runs close()/post_close() and exits with a clear message. A worker given
+`give_up_after` waits a silence out (a network partition), says so, and on heal folds
+the state it missed into its State.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Worker:
         disable_on_error: bool = True,
         exit_on_fit_end: bool = True,
         heartbeat_timeout: float = 10.0,
+        give_up_after: float | None = None,
         join_timeout: float = 10.0,
         name: str | None = None,
         keys: str | ClientKeys | None = None,
@@ -88,6 +91,12 @@ class Worker:
         self.disable_on_error = disable_on_error
         self.exit_on_fit_end = exit_on_fit_end
         self.heartbeat_timeout, self.join_timeout = heartbeat_timeout, join_timeout
+        # seconds of silence waited out before the trainer counts as gone (None: the heartbeat
+        # timeout, for workers beside their trainer, where a silence means it died)
+        self.give_up_after = give_up_after
+        # the subscriber's silences reported as begun, and as over
+        self._silences_reported = self._heals_reported = 0
+        self._gaps_at_silence = self._failures_at_silence = 0
         self.name = name or "+".join(type(c).__name__ for c in self.callbacks) or "worker"
         self.state = State()
         self.logger = Logger(self.state, destinations, coalesce=True)
@@ -138,7 +147,8 @@ class Worker:
             for callback in self.callbacks:
                 callback._control = None
         self._sub = Subscriber(endpoints["events"], endpoints.get("state"), topics=self.topics(),
-                               heartbeat_timeout=self.heartbeat_timeout, curve=self.curve)
+                               heartbeat_timeout=self.heartbeat_timeout, give_up_after=self.give_up_after,
+                               curve=self.curve)
         joined = self._sub.connect(join_timeout=self.join_timeout)
         if joined is not None:
             self.state._apply_config(joined.config)
@@ -166,6 +176,8 @@ class Worker:
                     on_progress({"batch": self.state.timestamp.batch, "events": self.stats.events})
                     next_progress = time.monotonic() + PROGRESS_EVERY
                 msg = self._sub.recv(timeout=1.0)
+                if self._sub.stats.silences != self._heals_reported:
+                    self._report_silence()
                 if msg is None:
                     if self._sub.finished:
                         self.exit_message = f"run {self.info.run_name} closed its stream"
@@ -191,6 +203,24 @@ class Worker:
         finally:
             self.close()
         return code
+
+    def _report_silence(self) -> None:
+        """Say that the trainer fell silent (once a silence), and, once it is heard again and
+        its state taken, for how long and what was lost meanwhile."""
+        sub, stats = self._sub, self._sub.stats
+        if sub.silent_since is not None and self._silences_reported < stats.silences:
+            self._silences_reported = stats.silences
+            self._gaps_at_silence, self._failures_at_silence = stats.gaps, stats.resync_failures
+            print(f"offloop worker: no heartbeat from {sub.events_endpoint} for {self.heartbeat_timeout:g}s: "
+                  f"partitioned or trainer gone; waiting up to {sub.give_up_after:g}s",
+                  file=sys.stderr, flush=True)
+        elif sub.silent_since is None and stats.resyncs + stats.resync_failures == stats.silences:
+            self._heals_reported = stats.silences
+            resynced = stats.resync_failures == self._failures_at_silence
+            state = "resynced" if resynced else "not resynced (no answer in time)"
+            print(f"offloop worker: heard from {sub.events_endpoint} again after {sub.last_silence:.1f}s; "
+                  f"{stats.gaps - self._gaps_at_silence} events lost so far (counted), state {state}",
+                  file=sys.stderr, flush=True)
 
     def dispatch(self, msg) -> Event | str:
         """Fold one message into the State and run every enabled callback on it, in order;

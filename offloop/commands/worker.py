@@ -8,6 +8,10 @@ import sys
 
 from offloop.errors import abort
 
+#: seconds a monitor on another host waits out a silence (a partition, a trainer's host
+#: rebooting) before it gives up; the trainer never waits for it meanwhile
+GIVE_UP_AFTER = 60.0
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="run directory, run name (under --runs-root) or state endpoint tcp://host:port")
@@ -27,7 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keys folder (from `offloop keys`) for a run that has keys ($OFFLOOP_KEYS)")
     parser.add_argument("--key-name", default="client", help="which client key pair in --keys")
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0,
-                        help="seconds without a heartbeat before the trainer counts as gone")
+                        help="seconds without a heartbeat before the trainer counts as silent (reported)")
+    parser.add_argument("--give-up-after", type=float, default=GIVE_UP_AFTER, metavar="SECONDS",
+                        help="seconds of silence waited out before the trainer counts as gone and the worker "
+                             f"exits with status 3 (default {GIVE_UP_AFTER:g}): a network partition shorter "
+                             "than this is reported, what it cost is counted, and on heal the worker takes "
+                             "the run's state again and goes on")
     parser.add_argument("--nice", type=_nice, default=10,
                         help="added to this process's nice value, 0-19 (default 10, as the trainer's own "
                              "workers): on a machine it shares with training, the training loop runs first")
@@ -52,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
     from offloop.workers.logger import ConsoleLogger, JSONLLogger, TensorBoardLogger
     from offloop.workers.spec import SpecError, callbacks_from
 
+    if args.give_up_after < args.heartbeat_timeout:
+        abort(f"--give-up-after must be at least --heartbeat-timeout ({args.heartbeat_timeout:g}), "
+              f"got {args.give_up_after:g}")
     try:
         config, callbacks = callbacks_from(args.callbacks, args.config)
     except SpecError as exc:
@@ -70,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         worker = Worker(info, callbacks, destinations=destinations,
                         disable_on_error=not args.keep_failing, exit_on_fit_end=not args.stay,
-                        heartbeat_timeout=args.heartbeat_timeout, keys=args.keys, key_name=args.key_name)
+                        heartbeat_timeout=args.heartbeat_timeout, give_up_after=args.give_up_after,
+                        keys=args.keys, key_name=args.key_name)
         worker.connect()
     except BusError as exc:
         abort(f"cannot join run {info.run_name}: {exc}", 3)

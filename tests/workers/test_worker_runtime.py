@@ -230,12 +230,14 @@ def test_worker_notices_a_killed_trainer_closes_its_callbacks_and_exits(spawn, t
     _wait_for(run_dir / "run.json")
     report = tmp_path / "probe.json"
     worker = _offloop("worker", str(run_dir), f"helpers.probes:JoinProbe({str(report)!r})", "--quiet",
-                      "--heartbeat-timeout", "1")
+                      "--heartbeat-timeout", "1", "--give-up-after", "3")
     _wait_for(Path(str(report) + ".first"))
     os.kill(trainer.popen.pid, signal.SIGKILL)
     out, err = worker.communicate(timeout=30)
     assert worker.returncode == 3, err
-    assert "fell silent" in err and "no heartbeat" in err
+    # reported at the heartbeat timeout, given up after --give-up-after
+    assert "for 1s: partitioned or trainer gone; waiting up to 3s" in err
+    assert "fell silent" in err and "no heartbeat" in err and "for 3s" in err
     assert json.loads(report.read_text())["count"] > 0  # close() ran
 
 
