@@ -57,9 +57,12 @@ WITHIN = 1.5  # target: publishing with 8 subscribers costs at most this many ti
 PRODUCT_NICE = 10  # the Trainer's default worker_nice (trainer/trainer.py)
 
 
-def _subscriber(events: str, state: str, expect: int, ready, out, timeout: float, nice: int) -> None:
+def _subscriber(events: str, state: str, expect: int, ready, out, timeout: float, nice: int,
+                cpus: set[int] | None = None) -> None:
     """A subscriber process: joins, then receives and decodes until everything is accounted."""
     os.nice(nice)  # first: the threads the Subscriber's context starts inherit it
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     sub = Subscriber(events, state, topics=["batch_end"], heartbeat_timeout=30)
     sub.connect(join_timeout=30)
     ready.put(os.getpid())
@@ -78,6 +81,18 @@ def _subscriber(events: str, state: str, expect: int, ready, out, timeout: float
     sub.close()
 
 
+def _relay(info: dict, cpus: set[int] | None, ready, stop) -> None:
+    """`offloop relay`'s forwarding (bus.relay.Relay) in a process of its own."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    from offloop.bus import RunInfo
+    from offloop.bus.relay import Relay
+
+    with Relay(RunInfo.from_dict(info)) as relay:
+        ready.put(relay.endpoints)
+        stop.wait()
+
+
 def _exact(result: dict, published: int) -> bool:
     """One subscriber accounted for every event exactly once: each received or counted
     lost, none twice, none malformed."""
@@ -85,14 +100,26 @@ def _exact(result: dict, published: int) -> bool:
             and result["malformed"] == 0)
 
 
-def run_case(n_subs: int, events: int, timeout: float, nice: int) -> dict:
+def run_case(n_subs: int, events: int, timeout: float, nice: int, relayed: bool = False,
+             others: set[int] | None = None) -> dict:
+    """One case: a fresh publisher in this process, `n_subs` subscriber processes joined
+    to it directly or through a relay process; `others`: the CPUs those processes run on."""
     pub = Publisher(f"load-{n_subs}", heartbeat_interval=0.2)
     endpoints = pub.start()
     ctx = mp.get_context("spawn")
     ready, out = ctx.Queue(), ctx.Queue()
+    relay = None
+    if relayed:
+        from offloop.bus import RunInfo
+
+        stop_relay = ctx.Event()
+        info = RunInfo(pub.run_id, "load", os.getpid(), time.time(), dict(endpoints)).to_dict()
+        relay = ctx.Process(target=_relay, args=(info, others, ready, stop_relay))
+        relay.start()
+        endpoints = ready.get(timeout=120)
     procs = [ctx.Process(target=_subscriber,
                          args=(endpoints["events"], endpoints["state"], events, ready, out, timeout,
-                               nice))
+                               nice, others))
              for _ in range(n_subs)]
     for proc in procs:
         proc.start()
@@ -116,9 +143,13 @@ def run_case(n_subs: int, events: int, timeout: float, nice: int) -> dict:
     for proc in procs:
         proc.join(timeout=30)
     pub.close(linger=0.2)
+    if relay is not None:
+        stop_relay.set()
+        relay.join(timeout=30)
     results.sort(key=lambda r: r["pid"])
     return {
-        "case": f"{n_subs}_subscriber" + ("s" if n_subs > 1 else ""), "nice": nice,
+        "case": f"{n_subs}_subscriber" + ("s" if n_subs > 1 else "") + ("_relayed" if relayed else ""),
+        "nice": nice,
         "subscribers": n_subs, "events": events, "published": published,
         "publisher_drops": pub.drops,
         "gaps": sum(r["gaps"] for r in results),
@@ -170,6 +201,56 @@ def _median(values) -> float:
     return round(statistics.median(values), 3)
 
 
+def relay_cases(many: int, events: int, timeout: float, rounds: int, pin: bool) -> None:
+    """--relay: what a relay saves the publishing thread. Cases, interleaved by round, the
+    order reversed every other round: 1 subscriber direct (the baseline), 1 and `many`
+    through a relay process, and `many` direct. With `pin`, this process (the publisher,
+    its proxy and I/O threads) runs on CPU 0 and the relay and subscribers on the others
+    in every case, as if they were on other hosts; the subscribers run at nice 0."""
+    me = {0} if pin else None
+    others = set(range(1, os.cpu_count())) if pin else None
+    if me:
+        os.sched_setaffinity(0, me)
+    cases = [("1_direct", 1, False), ("1_relayed", 1, True), (f"{many}_relayed", many, True),
+             (f"{many}_direct", many, False)]
+    done: dict[str, list[dict]] = {name: [] for name, _, _ in cases}
+    for r in range(rounds):
+        for name, n, relayed in cases if r % 2 == 0 else cases[::-1]:
+            case = run_case(n, events, timeout, 0, relayed=relayed, others=others)
+            done[name].append(case)
+            print(json.dumps({"round": r, **case}), flush=True)
+
+    def ratio(name: str, key: str) -> float:
+        return round(statistics.median(c[key] / b[key] for c, b in zip(done[name], done["1_direct"],
+                                                                          strict=True)), 3)
+
+    exact = all(case["exact"] for runs in done.values() for case in runs)
+    summary = {
+        f"ratio_{many}_relayed": ratio(f"{many}_relayed", "us_per_event"),
+        f"ratio_{many}_relayed_mean_us": [_mean(done[f"{many}_relayed"]), _mean(done["1_direct"])],
+        f"within_10pct_{many}_relayed": abs(ratio(f"{many}_relayed", "us_per_event") - 1) <= 0.10,
+        "ratio_1_relayed": ratio("1_relayed", "us_per_event"),
+        f"ratio_{many}_direct": ratio(f"{many}_direct", "us_per_event"),
+        "cpu_ratios": {name: ratio(name, "cpu_us_per_event") for name in done},
+        "us_per_event_mean": {name: _mean(runs) for name, runs in done.items()},
+        "us_per_event_median": {name: _median(c["us_per_event"] for c in runs) for name, runs in done.items()},
+        "received_fraction": {name: round(statistics.mean(c["received_fraction"] for c in runs), 4)
+                              for name, runs in done.items()},
+        "gaps": {name: sum(c["gaps"] for c in runs) for name, runs in done.items()},
+        "publisher_drops": {name: sum(c["publisher_drops"] for c in runs) for name, runs in done.items()},
+        "exact": exact, "events": events, "subscribers": many, "rounds": rounds, "pinned": pin,
+        "cpus": os.cpu_count(),
+    }
+    print(json.dumps(summary), flush=True)
+    if not exact:
+        sys.exit("load: some subscriber's received + gaps differs from the events published, "
+                 "or it saw duplicates or malformed messages")
+
+
+def _mean(runs: list[dict]) -> float:
+    return round(statistics.mean(c["us_per_event"] for c in runs), 3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=1_000_000, help="events published per case")
@@ -182,7 +263,17 @@ def main() -> None:
                         help="comma-separated niceness values of the subscriber processes "
                              f"(0: the publisher's own priority; {PRODUCT_NICE}: the Trainer's "
                              "default worker_nice)")
+    parser.add_argument("--relay", action="store_true",
+                        help="the relay's cases instead (1 direct, 1 and K relayed, K direct; K "
+                             "defaults to 32 here)")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="--relay: let every process run on any CPU")
     args = parser.parse_args()
+    if args.relay:
+        many = args.subscribers if args.subscribers != 8 else 32
+        relay_cases(many, args.events if args.events != 1_000_000 else 200_000, args.timeout, args.rounds,
+                    args.pin and (os.cpu_count() or 1) > 1)
+        return
     nices = [int(n) for n in args.nice.split(",")]
     many = args.subscribers
 

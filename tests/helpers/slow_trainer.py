@@ -1,6 +1,7 @@
 """A real training job that takes a while: argv = run_dir, batches, seconds per batch,
 optionally a file for a StepList callback, which then runs in a worker the trainer spawns,
-and a file whose existence it waits for (20 s at most) before it trains."""
+and a file whose existence it waits for (20 s at most) before it trains. $SLOW_TRAINER_KEYS
+names a keys folder for the run."""
 
 import json
 import os
@@ -38,7 +39,8 @@ if __name__ == "__main__":
 
         callbacks.append(StepList(sys.argv[4]))
     trainer = Trainer(nn.Linear(8, 2), loader, f"{batches}ba", loss_fn=nn.functional.cross_entropy,
-                      run_dir=run_dir, heartbeat_interval=0.2, callbacks=callbacks)
+                      run_dir=run_dir, heartbeat_interval=0.2, callbacks=callbacks,
+                      keys=os.environ.get("SLOW_TRAINER_KEYS"))
     print(json.dumps({"run_dir": run_dir, "pid": os.getpid()}), flush=True)
     if len(sys.argv) > 5:
         deadline = time.monotonic() + 20
