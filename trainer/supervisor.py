@@ -41,6 +41,9 @@ __all__ = ["CallbackWorkers", "WORKER_PROGRAM", "process_groups"]
 
 WORKER_PROGRAM = "offloop.workers.spawned"
 _SERVE_EVERY = 0.05  # seconds: a boundary wait also serves requests this often without a wake-up
+#: seconds fit() waits at most for the worker drawing the progress bars to draw the last one
+PROGRESS_WAIT = 5.0
+
 log = logging.getLogger("offloop.trainer")
 
 
@@ -309,28 +312,41 @@ class CallbackWorkers:
         with self._changed:
             self._changed.notify_all()
 
-    def wait_for_fit_end(self, timeout: float, while_waiting=None, batch: int = 0) -> None:
-        """Give every live worker until `timeout` to report it has handled the last
-        fit_end (of `self.fits`); `while_waiting` runs meanwhile (the trainer answers late
-        control requests). A worker still busy after a second is logged once, with how far
-        behind the trainer's `batch` it is and how long that will take at its pace."""
+    def wait_for_progress_bars(self, timeout: float, while_waiting=None, batch: int = 0) -> None:
+        """At the end of fit(), when the shared worker draws Composer's progress bars: wait
+        (up to PROGRESS_WAIT) until it has drawn fit_end's, so they are whole when fit()
+        returns, as Composer's (drawn in the loop) are, and what the user prints next comes
+        below them instead of under a late redraw."""
+        if "ProgressBar" in self._builtins and self.workers:
+            self.wait_for_fit_end(min(timeout, PROGRESS_WAIT), while_waiting, batch, shared_only=True,
+                                  waiting="fit() waits up to {:g}s for it to draw its last progress bar")
+
+    def wait_for_fit_end(self, timeout: float, while_waiting=None, batch: int = 0, *,
+                         shared_only: bool = False,
+                         waiting: str = "close() waits up to {:g}s for it (worker_shutdown_timeout)") -> None:
+        """Give every live worker (the shared one alone, with `shared_only`) until `timeout`
+        to report it has handled the last fit_end (of `self.fits`); `while_waiting` runs
+        meanwhile (the trainer answers late control requests). A worker still busy after a
+        second is logged once, with how far behind the trainer's `batch` it is and how long
+        that will take at its pace."""
         started = time.monotonic()
         deadline, told = started + timeout, set()
+        workers = self.workers[:1] if shared_only else self.workers
         while time.monotonic() < deadline:
             with self._lock:
-                pending = [w for w in self.workers if w.process.is_alive() and w.fits_seen < self.fits]
+                pending = [w for w in workers if w.process.is_alive() and w.fits_seen < self.fits]
             if not pending:
                 return
             if time.monotonic() - started >= 1.0:
                 for worker in pending:
                     if id(worker) not in told:
                         told.add(id(worker))
-                        log.warning("offloop: callback worker %s is %s; close() waits up to %gs for it "
-                                    "(worker_shutdown_timeout)", worker.name, worker.behind(batch), timeout)
+                        log.warning("offloop: callback worker %s is %s; %s", worker.name, worker.behind(batch),
+                                    waiting.format(timeout))
             if while_waiting is not None:
                 while_waiting()
             time.sleep(0.02)
-        for worker in self.workers:
+        for worker in workers:
             if worker.process.is_alive() and worker.fits_seen < self.fits:
                 log.warning("offloop: callback worker %s had not handled fit_end after %.0fs",
                             worker.name, timeout)

@@ -464,6 +464,7 @@ class Trainer:
                                                          "checkpoints": self.checkpoints, "fit": self.workers.fits})
         self.emitter.flush()
         self.controller.fit_ended = True
+        self.workers.wait_for_progress_bars(self.worker_shutdown_timeout, self.controller.answer_late, ts.batch)
 
     def close(self, wait_for_workers: bool = True) -> None:
         """Let every callback worker see fit_end, close the stream, mark the run finished."""

@@ -15,13 +15,18 @@ from offloop import Trainer
 from offloop.workers.callbacks.progress import render
 
 SCRIPT = """
+import time
 import torch, torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
-from offloop import Trainer
+from offloop import Callback, Trainer
+class SlowEpochEnd(Callback):  # in the worker that draws the bars, before it draws them
+    def epoch_end(self, state, logger):
+        time.sleep(1.0)
 x = torch.randn(32, 8)
 data = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8)
 model = torch.nn.Linear(8, 2)
-Trainer(model, data, '2ep', loss_fn=F.cross_entropy, eval_dataloader=data, run_dir={run_dir!r}).fit()
+Trainer(model, data, '2ep', loss_fn=F.cross_entropy, eval_dataloader=data, run_dir={run_dir!r},
+        callbacks=[SlowEpochEnd()]).fit()
 print('TRAINED')
 """
 
@@ -31,11 +36,12 @@ def test_a_trainer_in_a_terminal_shows_composers_progress_bars(tmp_path, tmux): 
     script.write_text(SCRIPT.format(run_dir=str(tmp_path / "run")))
     tmux.start(f"{shlex.quote(sys.executable)} {shlex.quote(str(script))}; sleep 30", width=140)
     tmux.wait_for("TRAINED", timeout=90)
-    screen = tmux.screen()
+    screen = tmux.screen()  # as it is when fit() has returned: the bars are whole, above the output
     for epoch in (0, 1):
         assert f"train Epoch   {epoch}: 100%|{'█' * 25}| 4/4 [" in screen, screen
     assert "loss/train/total=" in screen and "eval  Batch    4: 100%" in screen, screen
     assert "loss=" in screen  # the eval bar ends with the evaluation's metrics (here its loss)
+    assert screen.index("TRAINED") > screen.index("train Epoch   1: 100%"), screen
 
 
 def _data() -> DataLoader:
