@@ -32,6 +32,7 @@ from offloop.bus import (
     find_run,
 )
 from offloop.bus.security import ClientKeys, client_keys_for, endpoint_keys
+from offloop.bus.subscriber import SubscriberStats
 from offloop.workers import callback_state
 from offloop.workers.callback import Callback
 from offloop.workers.logger import Logger, LoggerDestination
@@ -121,6 +122,11 @@ class Worker:
         self._dispatch = [(index, callback, _wanted(callback), self.stats.seconds[key])
                           for index, (callback, key)
                           in enumerate(zip(self.callbacks, _timing_keys(self.callbacks), strict=True))]
+
+    @property
+    def subscriber_stats(self) -> SubscriberStats | None:
+        """What the subscription counted: received, gaps, duplicates, silences, resyncs."""
+        return None if self._sub is None else self._sub.stats
 
     def topics(self) -> frozenset[str] | None:
         wanted: set[str] = {"init", "fit_start", "fit_end", "eval_end"}  # low-rate: keep State current

@@ -89,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
         abort(f"cannot join run {info.run_name}: {exc}", 3)
     print(f"offloop worker: joined run {info.run_name} with {worker.name}", file=sys.stderr, flush=True)
     code = worker.run()
-    stats = worker.stats
+    stats, sub = worker.stats, worker.subscriber_stats
+    silences = (f"; {sub.silences} silences waited out, {sub.resyncs} resyncs folding in {sub.resynced} "
+                f"values" if sub.silences else "")
     print(f"offloop worker: {worker.exit_message}; handled {stats.events} events, {stats.gaps} lost, "
-          f"{stats.errors} callback errors", file=sys.stderr, flush=True)
+          f"{sub.duplicates} duplicates, {stats.errors} callback errors{silences}", file=sys.stderr, flush=True)
     return code

@@ -53,7 +53,10 @@ class Prometheus:
     """`with Prometheus(tmp_path, config_text) as prom:` — started, its targets discovered
     (Prometheus hands discovered targets to its scrapers only every 5 s), then stopped."""
 
-    def __init__(self, workdir: Path, config: str, targets: int = 1) -> None:
+    def __init__(self, workdir: Path, config: str, targets: int = 1, *, host: str = "127.0.0.1",
+                 launcher: list[str] | None = None) -> None:
+        """`host`: the address it listens on; `launcher`: a command prefix it runs under
+        (`ip netns exec NS`, for a Prometheus on a host of its own)."""
         binary = shutil.which("prometheus")
         assert binary, ("the tests need Debian's `prometheus` (2.42): run `make system-deps` "
                         "(scripts/system-deps.sh) or `apt-get install prometheus`")
@@ -62,11 +65,11 @@ class Prometheus:
         self.config_file = self.workdir / "prometheus.yml"
         self.config_file.write_text(config)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.log = self.workdir / "prometheus.log"
-        self._cmd = [binary, f"--config.file={self.config_file}",
+        self._cmd = [*(launcher or []), binary, f"--config.file={self.config_file}",
                      f"--storage.tsdb.path={self.workdir / 'data'}",
-                     f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"]
+                     f"--web.listen-address={host}:{self.port}", "--log.level=warn"]
         self._targets = targets
         self._proc: subprocess.Popen | None = None
 

@@ -1,0 +1,226 @@
+"""Several hosts on one machine (network namespaces, tests/helpers/netns.py), with CURVE keys:
+a trainer host, a monitor host and a Prometheus host on one private subnet.
+
+A partition of the monitor for 10 s in the middle of a run costs the trainer nothing; the
+monitor (`offloop worker`) reports it, counts exactly what it missed, takes the state again
+on heal, and a halt it sends after the heal is applied once. Killing every process of the
+monitor host leaves the trainer to finish, while Prometheus on its own host goes on
+scraping the run's exporter across the links.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Proc
+from helpers.netns import Network
+from helpers.prometheus_server import Prometheus, scrape_config
+
+from offloop.bus import Subscriber
+from offloop.bus.security import load_client_keys
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+PARTITION = 10.0  # seconds the monitor host is cut off
+BATCH_SECONDS = 0.02
+EXPORTER_PORT = 9464
+
+_CANNOT = Network.skip_reason()
+pytestmark = pytest.mark.skipif(_CANNOT is not None, reason=_CANNOT or "")
+
+
+def offloop(*args: str) -> list[str]:
+    return [sys.executable, "-m", "offloop.cli", *args]
+
+
+def make_keys(folder: Path) -> None:
+    """The trainer's keys, a `monitor` client that may halt, and the test's read-only `observer`."""
+    for client, role in (("monitor", "control"), ("observer", "monitor")):
+        subprocess.run(offloop("keys", str(folder), "--client", client, "--role", role), env=ENV,
+                       check=True, capture_output=True, timeout=60)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    """predicate()'s first true value; fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(interval)
+    return value
+
+
+def notes(path: Path) -> list[dict]:
+    """The HostProbe's JSON lines so far."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def start_trainer(net: Network, tmp: Path, keys: Path, batches: int, **extra) -> tuple[Proc, dict, Path]:
+    run_dir, go = tmp / "run", tmp / "go"
+    cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "host_trainer.py"), "--run-dir", run_dir,
+           "--keys", keys, "--host", net.addr["trainer"], "--go", go, "--batches", batches,
+           "--batch-seconds", BATCH_SECONDS, *[str(a) for kv in extra.items() for a in kv]]
+    trainer = Proc(net.popen("trainer", cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL, env=ENV))
+    return trainer, trainer.line(timeout=60), go
+
+
+def start_monitor(net: Network, tmp: Path, keys: Path, state: str, name: str, trigger: str = ""):
+    """`offloop worker` with a HostProbe on the monitor host; its stderr in a file."""
+    probe, err = tmp / f"{name}.jsonl", tmp / f"{name}.stderr"
+    spec = f"helpers.host_probe:HostProbe({str(probe)!r}, {trigger!r})"
+    with err.open("wb") as out:
+        proc = net.popen("monitor", offloop("worker", state, spec, "--keys", str(keys), "--key-name", "monitor",
+                                            "--heartbeat-timeout", "2", "--give-up-after", "60", "--quiet"),
+                         stdout=subprocess.DEVNULL, stderr=out, stdin=subprocess.DEVNULL, env=ENV)
+    wait_for(lambda: "joined run" in err.read_text() or proc.poll() is not None, 60, f"{name} to join")
+    assert proc.poll() is None, err.read_text()
+    return proc, probe, err
+
+
+class Observer:
+    """The test's own subscriber (read-only key), from its own namespace: what the trainer
+    published, taken in a thread until the run's stream closes."""
+
+    def __init__(self, endpoints: dict, keys: Path, topics: list[str]) -> None:
+        self.sub = Subscriber(endpoints["events"], endpoints["state"], topics=topics, heartbeat_timeout=30,
+                              curve=load_client_keys(keys, "observer"))
+        self.sub.connect(join_timeout=30)
+        self.got: list = []
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._take, daemon=True)
+        self._thread.start()
+
+    def _take(self) -> None:
+        try:
+            while not self.sub.finished:
+                msg = self.sub.recv(timeout=0.1)
+                if msg is not None and not msg.from_state:
+                    self.got.append(msg)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            self.error = exc
+
+    def step(self) -> int:
+        return max((m.ts[1] for m in list(self.got) if m.topic == "batch_end"), default=0)
+
+    def finish(self, timeout: float = 60) -> list:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the run's stream never closed"
+        assert self.error is None, self.error
+        self.sub.close()
+        return self.got
+
+
+@pytest.fixture
+def hosts():
+    with Network(["trainer", "monitor", "prometheus"]) as net:
+        yield net
+
+
+@pytest.mark.timeout(300)
+def test_a_partitioned_monitor_reports_counts_resyncs_and_its_halt_after_the_heal_applies_once(hosts, tmp_path):
+    net, keys = hosts, tmp_path / "keys"
+    make_keys(keys)
+    trainer, started, go = start_trainer(net, tmp_path, keys, 100_000)  # ends by the monitor's halt
+    endpoints = started["endpoints"]
+    assert endpoints["events"].startswith(f"tcp://{net.addr['trainer']}:")
+    trigger = tmp_path / "halt-now"
+    monitor, probe, err = start_monitor(net, tmp_path, keys, endpoints["state"], "monitor", str(trigger))
+    observer = Observer(endpoints, keys, ["batch_end", "control_request", "fit_end"])
+    go.touch()
+    wait_for(lambda: len(notes(probe)) > 50, 60, "the monitor to handle 50 batches")
+
+    cut_at = time.time()
+    net.cut("monitor")
+    wait_for(lambda: "partitioned or trainer gone" in err.read_text(), 10, "the monitor's report")
+    time.sleep(max(0.0, cut_at + PARTITION - time.time()))  # the partition's length is the test
+    net.heal("monitor")
+    healed_at, step_at_heal = time.time(), observer.step()
+    heard = wait_for(lambda: re.search(r"heard from \S+ again after ([\d.]+)s; (\d+) events lost so far "
+                                       r"\(counted\), state (\w+)", err.read_text()), 60, "the heal report")
+    assert heard.group(3) == "resynced", err.read_text()
+    wait_for(lambda: max((n.get("step", 0) for n in notes(probe)), default=0) > step_at_heal + 5, 60,
+             "the monitor to handle batches trained after the heal")
+    trigger.touch()
+
+    done = trainer.line(timeout=60)
+    assert trainer.wait(timeout=30) == 0, trainer.stderr()
+    assert monitor.wait(timeout=60) == 0, err.read_text()  # fit_end reached it: it exits 0
+    got = observer.finish()
+    report = err.read_text()
+
+    # the halt, sent after the heal, applied once: acked, the run stopped at that batch
+    acks = [n for n in notes(probe) if "ack" in n]
+    assert len(acks) == 1 and acks[0]["ack"]["ok"], acks
+    assert done["done"] == acks[0]["ack"]["step"] > step_at_heal
+    assert done["stopped_by"]["reason"] == "monitor host, after the heal"
+    assert [m.topic for m in got].count("control_request") == 1
+    assert [m.data["stopped_by"]["reason"] for m in got if m.topic == "fit_end"] == ["monitor host, after the heal"]
+
+    # exact counting: fit_start, each batch_end and fit_end were handled once or counted lost
+    # (init came in the state the monitor joined with)
+    summary = re.search(r"handled (\d+) events, (\d+) lost, (\d+) duplicates, \d+ callback errors; "
+                        r"1 silences waited out, 1 resyncs folding in (\d+) values", report)
+    assert summary, report
+    handled, lost, duplicates, resynced = map(int, summary.groups())
+    assert handled + lost == done["done"] + 2 and duplicates == 0
+    steps = [n["step"] for n in notes(probe) if "step" in n]
+    assert len(steps) == len(set(steps)) and steps == sorted(steps)
+    assert done["drops"] == 0
+
+    # training never waited: it kept its pace through the partition
+    times = done["batch_times"]
+    before = [b - a for a, b in zip(times, times[1:], strict=False) if b < cut_at]
+    during = [b - a for a, b in zip(times, times[1:], strict=False) if cut_at <= a and b <= healed_at]
+    expected = PARTITION / statistics.median(before)
+    print(json.dumps({"case": "partition", "batches": done["done"], "handled": handled, "lost": lost,
+                      "duplicates": duplicates, "resynced_values": resynced,
+                      "silence_s": float(heard.group(1)), "lost_reported_at_heal": int(heard.group(2)),
+                      "batches_during_partition": len(during), "expected_at_pace": round(expected),
+                      "median_batch_s_before": round(statistics.median(before), 4),
+                      "median_batch_s_during": round(statistics.median(during), 4),
+                      "max_batch_s_before": round(max(before), 4), "max_batch_s_during": round(max(during), 4)}))
+    assert len(during) >= 0.5 * expected, "training slowed down while the monitor was cut off"
+    assert max(during) < 1.0, "a batch waited while the monitor was cut off"
+    assert float(heard.group(1)) >= PARTITION - 2.5  # the silence the monitor saw is the partition
+
+
+@pytest.mark.timeout(300)
+def test_killing_the_monitor_host_leaves_the_trainer_and_the_prometheus_host_unaffected(hosts, tmp_path):
+    net, keys = hosts, tmp_path / "keys"
+    make_keys(keys)
+    batches = 750  # 15 s at the pace
+    target = f"{net.addr['trainer']}:{EXPORTER_PORT}"
+    prom = Prometheus(tmp_path / "prometheus", scrape_config([target]), host=net.addr["prometheus"],
+                      launcher=["ip", "netns", "exec", net.netns["prometheus"]])
+    with prom:
+        trainer, started, go = start_trainer(net, tmp_path, keys, batches, **{"--exporter-port": EXPORTER_PORT})
+        monitors = [start_monitor(net, tmp_path, keys, started["endpoints"]["state"], f"monitor{i}")
+                    for i in range(2)]
+        go.touch()
+        prom.wait_for(f'offloop_step{{instance="{target}"}}', lambda r: r and float(r[0]["value"][1]) > 0, 60)
+        wait_for(lambda: all(len(notes(probe)) > 20 for _, probe, _ in monitors), 60, "the monitors to work")
+        killed = net.kill_host("monitor")
+        assert {proc.pid for proc, _, _ in monitors} <= set(killed)
+        killed_at = max(n.get("step", 0) for _, probe, _ in monitors for n in notes(probe))
+        # scraped across the links after the monitors died
+        prom.wait_for(f'max_over_time(offloop_step{{instance="{target}"}}[5m])',
+                      lambda r: r and float(r[0]["value"][1]) > killed_at + 20, 60)
+        done = trainer.line(timeout=120)
+        assert trainer.wait(timeout=30) == 0
+    stderr = [line for line in trainer.stderr().splitlines() if line.strip()]
+    assert done["done"] == batches and done["stopped_by"] is None
+    assert all(proc.wait(timeout=10) == -9 for proc, _, _ in monitors)
+    print(json.dumps({"case": "monitor host killed", "killed_pids": len(killed), "killed_at_step": killed_at,
+                      "batches": done["done"], "trainer_stderr": stderr}))
+    assert len(stderr) <= 1, stderr  # at most a log line

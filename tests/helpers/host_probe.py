@@ -1,0 +1,34 @@
+"""A monitor's callback for tests across hosts: it notes every batch_end it handles, one
+JSON line each, and halts the run once the --trigger file exists (once), noting the ack."""
+
+import json
+import os
+import time
+
+from offloop.workers import Callback
+
+
+class HostProbe(Callback):
+    def __init__(self, path: str, trigger: str = "") -> None:
+        self.path, self.trigger, self.halted = path, trigger, False
+
+    def _note(self, **fields) -> None:
+        with open(self.path, "a") as out:
+            out.write(json.dumps({**fields, "t": time.time()}) + "\n")
+
+    def fit_start(self, state, logger):
+        self._note(fit_start=True)
+
+    def batch_end(self, state, logger):
+        self._note(step=state.timestamp.batch)
+        if self.trigger and not self.halted and os.path.exists(self.trigger):
+            self.halted = True
+            ack = self.halt("monitor host, after the heal")
+            self._note(ack={"ok": ack.ok, "step": ack.result.get("step"), "error": ack.error},
+                       asked_at=state.timestamp.batch)
+
+    def fit_end(self, state, logger):
+        self._note(fit_end=True)
+
+    def close(self, state, logger):
+        self._note(closed=True, events=state.events_received, gaps=state.gaps)
