@@ -141,24 +141,25 @@ class Relay:
         return dict(self.endpoints)
 
     def _public_socket(self, kind: int, name: str, **options: int) -> zmq.Socket:
-        sock = self._ctx.socket(kind)
-        sock.linger = 0
-        for option, value in options.items():
-            setattr(sock, option, value)
-        if self.keys is not None:
-            self.keys.apply(sock)
+        """A socket monitors connect to (a CURVE server with keys), bound; its endpoint kept."""
+        sock = self._socket(kind, self.keys, **options)
         sock.bind(f"tcp://{self.host}:{self._ports[name] or '*'}")
         self.endpoints[name] = sock.last_endpoint.decode()
         return sock
 
     def _upstream_socket(self, kind: int, name: str, **options: int) -> zmq.Socket:
+        """A socket connected to the trainer's `name` endpoint (with the relay's client key)."""
+        sock = self._socket(kind, self._upstream_keys, **options)
+        sock.connect(self.upstream[name])
+        return sock
+
+    def _socket(self, kind: int, keys, **options: int) -> zmq.Socket:
         sock = self._ctx.socket(kind)
         sock.linger = 0
-        for option, value in options.items():
+        for option, value in options.items():  # before bind/connect: read when a pipe is made
             setattr(sock, option, value)
-        if self._upstream_keys is not None:
-            self._upstream_keys.apply(sock)
-        sock.connect(self.upstream[name])
+        if keys is not None:
+            keys.apply(sock)
         return sock
 
     # ------------------------------------------------------------ serving

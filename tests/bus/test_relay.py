@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from helpers.waiting import wait_until
 
 from offloop.bus import (
     ControlClient,
@@ -29,14 +30,6 @@ from offloop.bus.security import generate_keys, load_client_keys, load_server_ke
 from offloop.bus.wire import decode_reply, encode_request
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_until(predicate, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 @contextlib.contextmanager
