@@ -37,7 +37,25 @@ yielded, not that they kept up (read `received_fraction`: subscribers that fall 
 drop, by design, and the loss is counted, not avoided); the publisher does nothing but
 publish (no training step shares its thread); exactness is accounting, not delivery.
 
+With --relay (issue 26), the cases are instead: one subscriber direct (the floor), one and
+K (32 by default) subscribers through a relay process (`bus.relay.Relay`, what `offloop
+relay` runs), and K direct, 200 000 events each, interleaved by round. On a machine of
+two or more CPUs the publisher's process is pinned to CPU 0 and the relay and subscribers
+to the others in every case (--no-pin to let them mix), as if they ran on other hosts:
+what is compared is what the publishing thread pays, not how a small machine shares its
+cores among 33 processes. Summary keys:
+
+  ratio_32_relayed         publishing thread's wall-clock cost per event with 32
+                           subscribers through the relay over its cost with one direct
+                           subscriber: median of per-round ratios (target <= 1.10,
+                           `within_1_1x_32_relayed`)
+  ratio_1_relayed          one subscriber through the relay, over one direct
+  ratio_32_direct          32 direct, over one direct: what the relay saves
+  cpu_ratios               the same as the publishing thread's own CPU time per event
+  exact                    every subscriber of every case accounted for every event
+
 Run: python benchmarks/load.py [--events N] [--subscribers K] [--nice 0,10] [--rounds R]
+     python benchmarks/load.py --relay [--events N] [--subscribers K] [--rounds R] [--no-pin]
 """
 
 from __future__ import annotations
@@ -228,7 +246,8 @@ def relay_cases(many: int, events: int, timeout: float, rounds: int, pin: bool) 
     summary = {
         f"ratio_{many}_relayed": ratio(f"{many}_relayed", "us_per_event"),
         f"ratio_{many}_relayed_mean_us": [_mean(done[f"{many}_relayed"]), _mean(done["1_direct"])],
-        f"within_10pct_{many}_relayed": abs(ratio(f"{many}_relayed", "us_per_event") - 1) <= 0.10,
+        # the target: no dearer than one subscriber, within 10 % (cheaper meets it too)
+        f"within_1_1x_{many}_relayed": ratio(f"{many}_relayed", "us_per_event") <= 1.10,
         "ratio_1_relayed": ratio("1_relayed", "us_per_event"),
         f"ratio_{many}_direct": ratio(f"{many}_direct", "us_per_event"),
         "cpu_ratios": {name: ratio(name, "cpu_us_per_event") for name in done},
