@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--wait-requests", type=int, default=0)
     parser.add_argument("--gate-file")
     parser.add_argument("--gate-timeout", type=float, default=30.0)
+    parser.add_argument("--host", default="127.0.0.1", help="the address this rank's sockets bind")
+    parser.add_argument("--keys", help="CURVE keys folder (needed beyond loopback)")
     args = parser.parse_args()
 
     distributed.init_from_env()  # the sampler needs the process group; Trainer then reuses it
@@ -99,7 +101,7 @@ def main() -> None:
     # another rank's RNG state would not match the uninterrupted run
     trainer = Trainer(model, loader, args.max_duration, loss_fn=nn.functional.cross_entropy,
                       optimizers=optimizer, seed=7 + rank, run_dir=args.run_dir, load_path=args.load_path,
-                      heartbeat_interval=0.2)
+                      heartbeat_interval=0.2, host=args.host, keys=args.keys)
     holder["trainer"] = trainer
     say(started=rank, pid=os.getpid(), world_size=trainer.world_size,
         resumed_at=trainer.timestamp.batch)
