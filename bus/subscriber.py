@@ -127,6 +127,10 @@ class Subscriber:
         # resync entries newer than the stream so far: delivered once the stream reaches them
         # and they prove lost, dropped once a live event as new arrives
         self._awaiting: dict[tuple[str, str], Message] = {}
+        # the publisher's heartbeat count when the last resync's state was taken, and the
+        # newest heartbeat whose tail loss has been counted: past it, the silence is paid for
+        self._resync_beat = 0
+        self._settled_beat = 0
 
     # ------------------------------------------------------------ joining
 
@@ -241,12 +245,13 @@ class Subscriber:
         if self.state_endpoint is None:
             return
         try:
-            state, _ = self._request_state(time.monotonic() + self.heartbeat_timeout)
+            state, beat = self._request_state(time.monotonic() + self.heartbeat_timeout)
             header, entries = self._decode_state(state)
         except (PublisherSilent, WireError):
             self.stats.resync_failures += 1
             return
         self.stats.resyncs += 1
+        self._resync_beat = beat
         pub = header["pub"]
         for entry in entries:
             key = (pub, entry.topic)
@@ -261,6 +266,12 @@ class Subscriber:
         """Whether `tseq` was counted lost and nothing newer of its topic was received."""
         run = self._lost_tail.get(key)
         return run is not None and run[1] == self._last.get(key) and run[0] <= tseq <= run[1]
+
+    @property
+    def catching_up(self) -> bool:
+        """After a resync, until a heartbeat sent after its state was taken has been
+        counted: until then, events sent during the silence may still arrive or prove lost."""
+        return self._settled_beat <= self._resync_beat and self._resync_beat > 0
 
     @property
     def resync_waiting(self) -> int:
@@ -365,6 +376,9 @@ class Subscriber:
         cutoff = time.monotonic() - self.settle
         while self._beats and self._beats[0][0] <= cutoff:
             _, beat = self._beats.popleft()
+            number = beat.data.get("beat", 0)
+            if isinstance(number, int) and number > self._settled_beat:
+                self._settled_beat = number
             for topic, tseq in beat.data["tseq"].items():
                 if not isinstance(tseq, int) or not self._selected(topic):
                     continue

@@ -211,8 +211,8 @@ class Worker:
         return code
 
     def _report_silence(self) -> None:
-        """Say that the trainer fell silent (once a silence), and, once it is heard again and
-        its state taken, for how long and what was lost meanwhile."""
+        """Say that the trainer fell silent (once a silence), and, once it is heard again, its
+        state taken and the backlog counted, for how long and how many events were lost."""
         sub, stats = self._sub, self._sub.stats
         if sub.silent_since is not None and self._silences_reported < stats.silences:
             self._silences_reported = stats.silences
@@ -220,13 +220,14 @@ class Worker:
             print(f"offloop worker: no heartbeat from {sub.events_endpoint} for {self.heartbeat_timeout:g}s: "
                   f"partitioned or trainer gone; waiting up to {sub.give_up_after:g}s",
                   file=sys.stderr, flush=True)
-        elif sub.silent_since is None and stats.resyncs + stats.resync_failures == stats.silences:
+        elif sub.silent_since is None and stats.resyncs + stats.resync_failures == stats.silences \
+                and not sub.catching_up:
             self._heals_reported = stats.silences
             resynced = stats.resync_failures == self._failures_at_silence
             state = "resynced" if resynced else "not resynced (no answer in time)"
             print(f"offloop worker: heard from {sub.events_endpoint} again after {sub.last_silence:.1f}s; "
-                  f"{stats.gaps - self._gaps_at_silence} events lost so far (counted), state {state}",
-                  file=sys.stderr, flush=True)
+                  f"state {state}; caught up: {stats.gaps - self._gaps_at_silence} events lost meanwhile "
+                  "(counted)", file=sys.stderr, flush=True)
 
     def dispatch(self, msg) -> Event | str:
         """Fold one message into the State and run every enabled callback on it, in order;

@@ -78,6 +78,7 @@ def test_a_silence_is_waited_out_counted_exactly_and_resynced_with_only_what_was
     assert stats.received + stats.gaps == sum(published.values())
     assert len({(m.topic, m.tseq) for m in live}) == len(live)
     assert sub.silent_since is None and stats.silences == 1 and stats.resyncs == 1
+    recv_until(sub, lambda: not sub.catching_up, 5, "a heartbeat sent after the resync's state")
     assert sub.last_silence >= 0.5
     # the resync brought what was lost, once each and only that: the newest batch_end and
     # the epoch_end; not fit_start, which was received

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Proc
+from helpers.host_probe import FloodProbe
 from helpers.netns import Network
 from helpers.prometheus_server import Prometheus, scrape_config
 
@@ -65,20 +66,22 @@ def notes(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def start_trainer(net: Network, tmp: Path, keys: Path, batches: int, **extra) -> tuple[Proc, dict, Path]:
+def start_trainer(net: Network, tmp: Path, keys: Path, batches: int, pace: float = BATCH_SECONDS,
+                  **extra) -> tuple[Proc, dict, Path]:
     run_dir, go = tmp / "run", tmp / "go"
     cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "host_trainer.py"), "--run-dir", run_dir,
            "--keys", keys, "--host", net.addr["trainer"], "--go", go, "--batches", batches,
-           "--batch-seconds", BATCH_SECONDS, *[str(a) for kv in extra.items() for a in kv]]
+           "--batch-seconds", pace, *[str(a) for kv in extra.items() for a in kv]]
     trainer = Proc(net.popen("trainer", cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              stdin=subprocess.DEVNULL, env=ENV))
     return trainer, trainer.line(timeout=60), go
 
 
-def start_monitor(net: Network, tmp: Path, keys: Path, state: str, name: str, trigger: str = ""):
+def start_monitor(net: Network, tmp: Path, keys: Path, state: str, name: str, trigger: str = "",
+                  probe_class: str = "HostProbe"):
     """`offloop worker` with a HostProbe on the monitor host; its stderr in a file."""
     probe, err = tmp / f"{name}.jsonl", tmp / f"{name}.stderr"
-    spec = f"helpers.host_probe:HostProbe({str(probe)!r}, {trigger!r})"
+    spec = f"helpers.host_probe:{probe_class}({str(probe)!r}, {trigger!r})"
     with err.open("wb") as out:
         proc = net.popen("monitor", offloop("worker", state, spec, "--keys", str(keys), "--key-name", "monitor",
                                             "--heartbeat-timeout", "2", "--give-up-after", "60", "--quiet"),
@@ -127,16 +130,28 @@ def hosts():
         yield net
 
 
+MONITOR_TOPICS = {  # what each probe's worker takes: its callback's topics and the run's low-rate ones
+    "HostProbe": {"fit_start", "batch_end", "fit_end", "eval_end"},
+    "FloodProbe": {"fit_start", "batch_end", "fit_end", "eval_end", *FloodProbe.state_topics},
+}
+
+
 @pytest.mark.timeout(300)
-def test_a_partitioned_monitor_reports_counts_resyncs_and_its_halt_after_the_heal_applies_once(hosts, tmp_path):
+@pytest.mark.parametrize("probe_class, pace", [("HostProbe", BATCH_SECONDS), ("FloodProbe", 0.005)],
+                         ids=["quiet", "flood"])
+def test_a_partitioned_monitor_reports_counts_resyncs_and_its_halt_after_the_heal_applies_once(
+        hosts, tmp_path, probe_class, pace):
+    """quiet: a batch_end every 20 ms, which the queues hold through the partition; flood: a
+    dozen topics a batch every 5 ms, more than the trainer's queue for the monitor holds."""
     net, keys = hosts, tmp_path / "keys"
     make_keys(keys)
-    trainer, started, go = start_trainer(net, tmp_path, keys, 100_000)  # ends by the monitor's halt
+    trainer, started, go = start_trainer(net, tmp_path, keys, 100_000, pace)  # ends by the monitor's halt
     endpoints = started["endpoints"]
     assert endpoints["events"].startswith(f"tcp://{net.addr['trainer']}:")
     trigger = tmp_path / "halt-now"
-    monitor, probe, err = start_monitor(net, tmp_path, keys, endpoints["state"], "monitor", str(trigger))
-    observer = Observer(endpoints, keys, ["batch_end", "control_request", "fit_end"])
+    monitor, probe, err = start_monitor(net, tmp_path, keys, endpoints["state"], "monitor", str(trigger),
+                                        probe_class)
+    observer = Observer(endpoints, keys, sorted(MONITOR_TOPICS[probe_class] | {"control_request"}))
     go.touch()
     wait_for(lambda: len(notes(probe)) > 50, 60, "the monitor to handle 50 batches")
 
@@ -146,9 +161,10 @@ def test_a_partitioned_monitor_reports_counts_resyncs_and_its_halt_after_the_hea
     time.sleep(max(0.0, cut_at + PARTITION - time.time()))  # the partition's length is the test
     net.heal("monitor")
     healed_at, step_at_heal = time.time(), observer.step()
-    heard = wait_for(lambda: re.search(r"heard from \S+ again after ([\d.]+)s; (\d+) events lost so far "
-                                       r"\(counted\), state (\w+)", err.read_text()), 60, "the heal report")
-    assert heard.group(3) == "resynced", err.read_text()
+    heard = wait_for(lambda: re.search(r"heard from \S+ again after ([\d.]+)s; state (\w+); caught up: "
+                                       r"(\d+) events lost meanwhile \(counted\)", err.read_text()),
+                     60, "the heal report")
+    assert heard.group(2) == "resynced", err.read_text()
     wait_for(lambda: max((n.get("step", 0) for n in notes(probe)), default=0) > step_at_heal + 5, 60,
              "the monitor to handle batches trained after the heal")
     trigger.touch()
@@ -167,13 +183,22 @@ def test_a_partitioned_monitor_reports_counts_resyncs_and_its_halt_after_the_hea
     assert [m.topic for m in got].count("control_request") == 1
     assert [m.data["stopped_by"]["reason"] for m in got if m.topic == "fit_end"] == ["monitor host, after the heal"]
 
-    # exact counting: fit_start, each batch_end and fit_end were handled once or counted lost
-    # (init came in the state the monitor joined with)
+    # exact counting: every event of the monitor's topics (since its join: init came in the
+    # state it joined with) was handled once or counted lost. What was published, the test's
+    # own subscriber (never cut off, nothing lost) received: each event once
     summary = re.search(r"handled (\d+) events, (\d+) lost, (\d+) duplicates, \d+ callback errors; "
                         r"1 silences waited out, 1 resyncs folding in (\d+) values", report)
     assert summary, report
     handled, lost, duplicates, resynced = map(int, summary.groups())
-    assert handled + lost == done["done"] + 2 and duplicates == 0
+    assert observer.sub.stats.gaps == 0 and observer.sub.stats.duplicates == 0
+    published = len({(m.topic, m.tseq) for m in got if m.topic in MONITOR_TOPICS[probe_class]})
+    assert handled + lost == published and duplicates == 0
+    assert published == done["done"] * (len(MONITOR_TOPICS[probe_class]) - 3) + 2  # a batch's, and fit_start/end
+    # what the heal report said the silence cost: all of it, or all but what a busy monitor
+    # lost afterwards
+    assert int(heard.group(3)) <= lost
+    if probe_class == "FloodProbe":
+        assert int(heard.group(3)) > 0  # the partition cost the monitor events, each one counted
     steps = [n["step"] for n in notes(probe) if "step" in n]
     assert len(steps) == len(set(steps)) and steps == sorted(steps)
     assert done["drops"] == 0
@@ -182,10 +207,10 @@ def test_a_partitioned_monitor_reports_counts_resyncs_and_its_halt_after_the_hea
     times = done["batch_times"]
     before = [b - a for a, b in zip(times, times[1:], strict=False) if b < cut_at]
     during = [b - a for a, b in zip(times, times[1:], strict=False) if cut_at <= a and b <= healed_at]
-    expected = PARTITION / statistics.median(before)
-    print(json.dumps({"case": "partition", "batches": done["done"], "handled": handled, "lost": lost,
+    expected = PARTITION / statistics.median(before)  # batches at the pace kept before the cut
+    print(json.dumps({"case": f"partition, {probe_class}", "published": published, "batches": done["done"], "handled": handled, "lost": lost,
                       "duplicates": duplicates, "resynced_values": resynced,
-                      "silence_s": float(heard.group(1)), "lost_reported_at_heal": int(heard.group(2)),
+                      "silence_s": float(heard.group(1)), "lost_reported_at_heal": int(heard.group(3)),
                       "batches_during_partition": len(during), "expected_at_pace": round(expected),
                       "median_batch_s_before": round(statistics.median(before), 4),
                       "median_batch_s_during": round(statistics.median(during), 4),

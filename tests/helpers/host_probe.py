@@ -32,3 +32,13 @@ class HostProbe(Callback):
 
     def close(self, state, logger):
         self._note(closed=True, events=state.events_received, gaps=state.gaps)
+
+
+class FloodProbe(HostProbe):
+    """A HostProbe that also takes every per-batch event of the loop, each topic on its own
+    (a dozen messages a batch): a partition then overflows its queue at the trainer."""
+
+    state_topics = frozenset({
+        "before_dataloader", "after_dataloader", "batch_start", "before_train_batch", "before_forward",
+        "after_forward", "before_loss", "after_loss", "before_backward", "after_backward",
+        "after_train_batch", "batch_checkpoint"})
