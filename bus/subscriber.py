@@ -268,6 +268,12 @@ class Subscriber:
         return run is not None and run[1] == self._last.get(key) and run[0] <= tseq <= run[1]
 
     @property
+    def recovering(self) -> bool:
+        """Heard again after a silence, and its state not yet taken or its backlog not yet
+        counted: what the silence cost is not known yet."""
+        return self._resync_due or self.catching_up
+
+    @property
     def catching_up(self) -> bool:
         """After a resync, until a heartbeat sent after its state was taken has been
         counted: until then, events sent during the silence may still arrive or prove lost."""

@@ -97,7 +97,7 @@ class Worker:
         self.give_up_after = give_up_after
         # the subscriber's silences reported as begun, and as over
         self._silences_reported = self._heals_reported = 0
-        self._gaps_at_silence = self._failures_at_silence = 0
+        self._gaps_at_silence = self._resyncs_at_silence = 0
         self.name = name or "+".join(type(c).__name__ for c in self.callbacks) or "worker"
         self.state = State()
         self.logger = Logger(self.state, destinations, coalesce=True)
@@ -214,19 +214,22 @@ class Worker:
         """Say that the trainer fell silent (once a silence), and, once it is heard again, its
         state taken and the backlog counted, for how long and how many events were lost."""
         sub, stats = self._sub, self._sub.stats
-        if sub.silent_since is not None and self._silences_reported < stats.silences:
+        if self._silences_reported < stats.silences:  # even one already over: said, then healed
             self._silences_reported = stats.silences
-            self._gaps_at_silence, self._failures_at_silence = stats.gaps, stats.resync_failures
+            self._gaps_at_silence, self._resyncs_at_silence = stats.gaps, stats.resyncs
             print(f"offloop worker: no heartbeat from {sub.events_endpoint} for {self.heartbeat_timeout:g}s: "
                   f"partitioned or trainer gone; waiting up to {sub.give_up_after:g}s",
                   file=sys.stderr, flush=True)
-        elif sub.silent_since is None and stats.resyncs + stats.resync_failures == stats.silences \
-                and not sub.catching_up:
+        if sub.silent_since is None and not sub.recovering:
             self._heals_reported = stats.silences
-            resynced = stats.resync_failures == self._failures_at_silence
-            state = "resynced" if resynced else "not resynced (no answer in time)"
+            if stats.resyncs > self._resyncs_at_silence:
+                state = "state resynced"
+            elif sub.state_endpoint is None:
+                state = "no state endpoint to resync from"
+            else:
+                state = "state not resynced (no answer in time)"
             print(f"offloop worker: heard from {sub.events_endpoint} again after {sub.last_silence:.1f}s; "
-                  f"state {state}; caught up: {stats.gaps - self._gaps_at_silence} events lost meanwhile "
+                  f"{state}; caught up: {stats.gaps - self._gaps_at_silence} events lost meanwhile "
                   "(counted)", file=sys.stderr, flush=True)
 
     def dispatch(self, msg) -> Event | str:
