@@ -242,7 +242,7 @@ class Subscriber:
         Only `_pending` changes: `_last` and the counters stay as the stream made them, so
         received + gaps still equals what was published, and no event is delivered twice."""
         self._resync_due = False
-        if self.state_endpoint is None:
+        if self.state_endpoint is None or self._final_at is not None:  # nothing to ask, or closing
             return
         try:
             state, beat = self._request_state(time.monotonic() + self.heartbeat_timeout)
