@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -100,8 +101,6 @@ class Network:
 
     def wait_reachable(self, host: str, timeout: float = 10.0) -> None:
         """Until the observer reaches `host` (a TCP connect answered, even refused)."""
-        import socket
-
         deadline = time.monotonic() + timeout
         while True:
             with socket.socket() as s:
@@ -123,10 +122,6 @@ class Network:
                                 start_new_session=True, **kwargs)
         self._procs.append(proc)
         return proc
-
-    def run(self, host: str, cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", "netns", "exec", self.netns[host], *map(str, cmd)],
-                              timeout=timeout, **kwargs)
 
     def cut(self, host: str) -> None:
         """Partition `host`: its link goes down (its address stays; packets go nowhere)."""
