@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 __all__ = ["Network"]
 
@@ -160,8 +159,7 @@ class Network:
             self.kill_host(host)  # anything the test's processes left there
         _ip("link", "del", self._root_link, check=False)
         for ns in [*self.netns.values(), self._switch]:
-            if Path(f"/run/netns/{ns}").exists():
-                _ip("netns", "del", ns, check=False)
+            _ip("netns", "del", ns, check=False)  # one never made: a harmless error
         deadline = time.monotonic() + 10  # namespaces go away asynchronously, with their links
         while _ip("link", "show", self._root_link, check=False).returncode == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
