@@ -43,7 +43,8 @@ relay` runs), and K direct, 200 000 events each, interleaved by round. On a mach
 two or more CPUs the publisher's process is pinned to CPU 0 and the relay and subscribers
 to the others in every case (--no-pin to let them mix), as if they ran on other hosts:
 what is compared is what the publishing thread pays, not how a small machine shares its
-cores among 33 processes. Summary keys:
+cores among 33 processes. The subscribers run at nice 19 (--nice N) and the relay at 0,
+as a relay on a host of its own is not starved by the monitors it serves. Summary keys:
 
   ratio_32_relayed         publishing thread's wall-clock cost per event with 32
                            subscribers through the relay over its cost with one direct
@@ -52,6 +53,10 @@ cores among 33 processes. Summary keys:
   ratio_1_relayed          one subscriber through the relay, over one direct
   ratio_32_direct          32 direct, over one direct: what the relay saves
   cpu_ratios               the same as the publishing thread's own CPU time per event
+  process_cpu_ratios       the same as the CPU time of the publisher's whole process
+                           (its proxy and I/O threads, which send a copy to each direct
+                           subscriber) from the first publish until every subscriber has
+                           accounted for every event
   exact                    every subscriber of every case accounted for every event
 
 Run: python benchmarks/load.py [--events N] [--subscribers K] [--nice 0,10] [--rounds R]
@@ -147,6 +152,7 @@ def run_case(n_subs: int, events: int, timeout: float, nice: int, relayed: bool 
     payload = {"loss": 0.6931, "lr": [0.001], "batch_size": 32}
     wall_chunks, cpu_chunks = [], []
     wall_start, cpu_start = time.perf_counter(), time.thread_time()
+    process_start = time.process_time()  # every thread of this process: its proxy and I/O threads too
     for base in range(0, events, CHUNK):
         w0, c0 = time.perf_counter(), time.thread_time()
         for i in range(base, min(events, base + CHUNK)):
@@ -158,6 +164,7 @@ def run_case(n_subs: int, events: int, timeout: float, nice: int, relayed: bool 
     published = pub._tseq.get("batch_end", 0)
 
     results = [out.get(timeout=timeout + 60) for _ in procs]
+    process_s = time.process_time() - process_start  # until every subscriber has accounted for all
     for proc in procs:
         proc.join(timeout=30)
     pub.close(linger=0.2)
@@ -178,6 +185,7 @@ def run_case(n_subs: int, events: int, timeout: float, nice: int, relayed: bool 
         "median_chunk_us": round(statistics.median(wall_chunks), 3),
         "median_chunk_cpu_us": round(statistics.median(cpu_chunks), 3),
         "publish_s": round(wall_s, 3),
+        "process_cpu_us_per_event": round(process_s / events * 1e6, 3),
         "exact": all(_exact(r, published) for r in results),
         "per_subscriber": [{k: r[k] for k in ("received", "gaps", "duplicates", "malformed",
                                               "error")} for r in results],
@@ -219,12 +227,15 @@ def _median(values) -> float:
     return round(statistics.median(values), 3)
 
 
-def relay_cases(many: int, events: int, timeout: float, rounds: int, pin: bool) -> None:
+def relay_cases(many: int, events: int, timeout: float, rounds: int, pin: bool, nice: int) -> None:
     """--relay: what a relay saves the publishing thread. Cases, interleaved by round, the
     order reversed every other round: 1 subscriber direct (the baseline), 1 and `many`
     through a relay process, and `many` direct. With `pin`, this process (the publisher,
     its proxy and I/O threads) runs on CPU 0 and the relay and subscribers on the others
-    in every case, as if they were on other hosts; the subscribers run at nice 0."""
+    in every case, as if they were on other hosts; the subscribers run at `nice` in every
+    case and the relay at 0, so that sharing a CPU with 32 subscribers does not starve
+    the relay as a host of its own would not (alone on their CPU, a direct subscriber or
+    32 of them run as fast at any niceness)."""
     me = {0} if pin else None
     others = set(range(1, os.cpu_count())) if pin else None
     if me:
@@ -234,7 +245,7 @@ def relay_cases(many: int, events: int, timeout: float, rounds: int, pin: bool) 
     done: dict[str, list[dict]] = {name: [] for name, _, _ in cases}
     for r in range(rounds):
         for name, n, relayed in cases if r % 2 == 0 else cases[::-1]:
-            case = run_case(n, events, timeout, 0, relayed=relayed, others=others)
+            case = run_case(n, events, timeout, nice, relayed=relayed, others=others)
             done[name].append(case)
             print(json.dumps({"round": r, **case}), flush=True)
 
@@ -251,6 +262,7 @@ def relay_cases(many: int, events: int, timeout: float, rounds: int, pin: bool) 
         "ratio_1_relayed": ratio("1_relayed", "us_per_event"),
         f"ratio_{many}_direct": ratio(f"{many}_direct", "us_per_event"),
         "cpu_ratios": {name: ratio(name, "cpu_us_per_event") for name in done},
+        "process_cpu_ratios": {name: ratio(name, "process_cpu_us_per_event") for name in done},
         "us_per_event_mean": {name: _mean(runs) for name, runs in done.items()},
         "us_per_event_median": {name: _median(c["us_per_event"] for c in runs) for name, runs in done.items()},
         "received_fraction": {name: round(statistics.mean(c["received_fraction"] for c in runs), 4)
@@ -258,6 +270,7 @@ def relay_cases(many: int, events: int, timeout: float, rounds: int, pin: bool) 
         "gaps": {name: sum(c["gaps"] for c in runs) for name, runs in done.items()},
         "publisher_drops": {name: sum(c["publisher_drops"] for c in runs) for name, runs in done.items()},
         "exact": exact, "events": events, "subscribers": many, "rounds": rounds, "pinned": pin,
+        "subscriber_nice": nice,
         "cpus": os.cpu_count(),
     }
     print(json.dumps(summary), flush=True)
@@ -290,8 +303,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.relay:
         many = args.subscribers if args.subscribers != 8 else 32
+        nice = int(args.nice) if args.nice.isdigit() else 19  # one value here; 19 unless given
         relay_cases(many, args.events if args.events != 1_000_000 else 200_000, args.timeout, args.rounds,
-                    args.pin and (os.cpu_count() or 1) > 1)
+                    args.pin and (os.cpu_count() or 1) > 1, nice)
         return
     nices = [int(n) for n in args.nice.split(",")]
     many = args.subscribers
