@@ -249,3 +249,53 @@ def test_killing_the_monitor_host_leaves_the_trainer_and_the_prometheus_host_una
     print(json.dumps({"case": "monitor host killed", "killed_pids": len(killed), "killed_at_step": killed_at,
                       "batches": done["done"], "trainer_stderr": stderr}))
     assert len(stderr) <= 1, stderr  # at most a log line
+
+
+@pytest.mark.timeout(300)
+def test_a_monitor_on_another_host_follows_and_halts_the_run_through_a_relay_host(tmp_path):
+    """trainer host -> relay host -> monitor host, CURVE keys on both sides of the relay: the
+    monitor knows only the relay's endpoint, handles or counts every event of its topics,
+    and its halt goes through the relay and is applied once; the relay exits with the run."""
+    with Network(["trainer", "relay", "monitor"]) as net:
+        keys = tmp_path / "keys"
+        make_keys(keys)
+        subprocess.run(offloop("keys", str(keys), "--client", "relay", "--role", "control"), env=ENV,
+                       check=True, capture_output=True, timeout=60)
+        trainer, started, go = start_trainer(net, tmp_path, keys, 100_000)  # ends by the monitor's halt
+        announced, relay_err = tmp_path / "relayed", tmp_path / "relay.stderr"
+        with relay_err.open("wb") as out:
+            relay = net.popen("relay", offloop("relay", started["endpoints"]["state"], "--host", net.addr["relay"],
+                                               "--keys", str(keys), "--key-name", "relay", "--announce",
+                                               str(announced)),
+                              stdout=subprocess.DEVNULL, stderr=out, stdin=subprocess.DEVNULL, env=ENV)
+        run_json = announced / started["run_name"] / "run.json"
+        wait_for(lambda: run_json.exists() or relay.poll() is not None, 60, "the relay to announce the run")
+        assert relay.poll() is None, relay_err.read_text()
+        relayed = json.loads(run_json.read_text())["endpoints"]
+        assert all(e.startswith(f"tcp://{net.addr['relay']}:") for e in relayed.values()), relayed
+        trigger = tmp_path / "halt-now"
+        monitor, probe, err = start_monitor(net, tmp_path, keys, relayed["state"], "monitor", str(trigger))
+        observer = Observer(started["endpoints"], keys, sorted(MONITOR_TOPICS["HostProbe"] | {"control_request"}))
+        go.touch()
+        wait_for(lambda: len(notes(probe)) > 50, 60, "the monitor to handle 50 batches through the relay")
+        trigger.touch()
+
+        done = trainer.line(timeout=60)
+        assert trainer.wait(timeout=30) == 0, trainer.stderr()
+        assert monitor.wait(timeout=60) == 0, err.read_text()
+        assert relay.wait(timeout=60) == 0, relay_err.read_text()  # the run's final heartbeats end it
+        got = observer.finish()
+
+    acks = [n for n in notes(probe) if "ack" in n]
+    assert len(acks) == 1 and acks[0]["ack"]["ok"] and done["done"] == acks[0]["ack"]["step"], acks
+    assert [m.topic for m in got].count("control_request") == 1
+    summary = re.search(r"handled (\d+) events, (\d+) lost, (\d+) duplicates", err.read_text())
+    assert summary, err.read_text()
+    handled, lost, duplicates = map(int, summary.groups())
+    published = len({(m.topic, m.tseq) for m in got if m.topic in MONITOR_TOPICS["HostProbe"]})
+    assert handled + lost == published and duplicates == 0
+    relay_report = relay_err.read_text()
+    assert "finished; forwarded" in relay_report and "and 1 control requests, refused 0" in relay_report, \
+        relay_report
+    print(json.dumps({"case": "through a relay host", "batches": done["done"], "published": published,
+                      "handled": handled, "lost": lost}))
