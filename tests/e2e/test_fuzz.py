@@ -203,6 +203,9 @@ CONTROL_INPUTS = st.one_of(
     UNKNOWN_OPS.map(lambda b: [b]),
     NASTY.map(lambda b: [b]),
     st.lists(st.binary(max_size=40) | REQUESTS, min_size=2, max_size=4),  # not one frame
+    # as a relay sends it, [client, b"", body]: a client of 0 or 256 bytes breaks the layout
+    st.tuples(st.binary(max_size=256), UNKNOWN_OPS | NEAR_CONTROL | REQUESTS.flatmap(mutate)).map(
+        lambda pair: [pair[0], b"", pair[1]]),
 )
 
 
@@ -210,14 +213,16 @@ def expected_at_the_control_server(frames: list[bytes], refused: dict):
     """What the server must do with one DEALER message, by the oracle: 'malformed',
     'refused' (a readable request for an op that does not exist), 'duplicate' (a retry of one
     refused before), or None for a valid halt or checkpoint request, which this test does not
-    send; with the request's body (None when malformed) and the known rule waived, if any."""
+    send; with the request's body (None when malformed), the known rule waived, if any, and
+    the envelope a relayed request's answer comes back behind."""
     verdict, waived = judged(wire_oracle.control, frames)
     if not verdict:
-        return "malformed", None, waived
+        return "malformed", None, waived, verdict.envelope
     body = verdict.body
     if body["op"] in wire_oracle.CONTROL_OPS:
-        return None, body, waived
-    return ("duplicate" if (body["client"], body["req"]) in refused else "refused"), body, waived
+        return None, body, waived, verdict.envelope
+    return (("duplicate" if (body["client"], body["req"]) in refused else "refused"), body, waived,
+            verdict.envelope)
 
 
 class Loading(TensorDataset):
@@ -284,7 +289,7 @@ def test_random_and_mutated_control_messages_are_counted_and_never_reach_the_tra
         @given(CONTROL_INPUTS)
         @example([msgpack.packb({"v": 1, "k": []})])  # an unhashable kind once killed the server
         def one(frames):
-            expect, body, waived = expected_at_the_control_server(frames, refused)
+            expect, body, waived, envelope = expected_at_the_control_server(frames, refused)
             if waived:
                 tried[f"known: {waived}"] = tried.get(f"known: {waived}", 0) + 1
             if expect is None:
@@ -293,9 +298,11 @@ def test_random_and_mutated_control_messages_are_counted_and_never_reach_the_tra
             assert server._thread.is_alive(), "the control server thread died"
             before = dataclasses.replace(server.stats)
             dealer.send_multipart(frames)
-            if len(frames) == 1:  # a one-frame message is answered: an error, or a refusal
+            if len(frames) == 1 or envelope:  # a request is answered: an error, or a refusal
                 assert dealer.poll(10_000), "the control server stopped answering"
-                reply = wire_oracle.reply([dealer.recv()])
+                answer = dealer.recv_multipart()
+                assert tuple(answer[:-1]) == envelope, "the answer is not routed behind the request's envelope"
+                reply = wire_oracle.reply(answer[-1:])
                 assert reply, f"the server's reply breaks the documented layout: {reply.why}"
                 if expect == "malformed":
                     assert reply.kind == "error"

@@ -91,6 +91,7 @@ class Verdict:
     events: tuple[Event, ...] = ()  # what a subscriber must decode (one for "ev" and "hb")
     body: Any = None  # a request's or reply's map, tensors as Tensor
     entries: tuple[Verdict, ...] = ()  # a state reply: the verdict on each entry
+    envelope: tuple[bytes, ...] = ()  # a relayed request's (client, b""): its reply comes back behind it
 
     def __bool__(self) -> bool:  # `if verdict:` reads as "if valid"
         return self.valid
@@ -389,13 +390,18 @@ def _request(frames, ck: _Check) -> dict:
 
 
 def request(frames, waive=(), impose=()) -> Verdict:
-    """A request as any DEALER/ROUTER server reads it (kind `body["k"]`)."""
+    """A request as any DEALER/ROUTER server reads it (kind `body["k"]`): one frame, or,
+    relayed (protocol.md, "Through a relay"), [client identity of 1-255 bytes, b"", body]."""
     ck = _Check(waive, impose)
+    frames = [bytes(f) for f in frames]
+    envelope: tuple[bytes, ...] = ()
+    if len(frames) == 3 and frames[1] == b"" and 0 < len(frames[0]) <= 255:
+        envelope, frames = (frames[0], b""), frames[2:]
     try:
         body = _request(frames, ck)
     except Malformed as exc:
-        return Verdict(False, exc.rule, exc.why)
-    return Verdict(True, kind=body["k"], body=body)
+        return Verdict(False, exc.rule, exc.why, envelope=envelope)
+    return Verdict(True, kind=body["k"], body=body, envelope=envelope)
 
 
 def control(frames, waive=(), impose=()) -> Verdict:
