@@ -4,11 +4,14 @@ by which every rank agrees on control decisions (any rank may ask, gloo carries 
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["rank", "world_size", "is_distributed", "init_from_env", "ControlAgreement"]
+__all__ = ["rank", "world_size", "is_distributed", "init_from_env", "ControlAgreement", "reachable"]
+
+_WILDCARDS = ("tcp://0.0.0.0:", "tcp://*:")
 
 
 def is_distributed() -> bool:
@@ -30,6 +33,24 @@ def init_from_env() -> bool:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend)
     return True
+
+
+def reachable(endpoint: str, master: str | None = None) -> str:
+    """A rank's endpoint as the other nodes name it in run.json: one bound to every interface
+    (0.0.0.0) is given the address this node reaches the rendezvous host (MASTER_ADDR)
+    from, so a rank on another node is not listed at rank 0's host (or its hostname,
+    when there is no such route)."""
+    prefix = next((w for w in _WILDCARDS if endpoint.startswith(w)), None)
+    if prefix is None:
+        return endpoint
+    master = master or os.environ.get("MASTER_ADDR", "")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # a route lookup; nothing is sent
+            probe.connect((master, 9))
+            address = probe.getsockname()[0]
+    except OSError:
+        address = socket.gethostname()
+    return f"tcp://{address}:{endpoint[len(prefix):]}"
 
 
 class ControlAgreement:

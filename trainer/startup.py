@@ -18,7 +18,7 @@ import zmq
 from offloop.bus import ControlServer, Publisher, RunInfo, mark_finished, write_run_info
 from offloop.bus.security import SecurityError, check_exposure, load_server_keys
 from offloop.trainer.batches import dataset_len, loader_len
-from offloop.trainer.distributed import ControlAgreement
+from offloop.trainer.distributed import ControlAgreement, reachable
 from offloop.trainer.errors import ConfigError
 from offloop.trainer.readings import describe_optimizer
 
@@ -97,11 +97,15 @@ class RunSockets:
               config: dict[str, Any]) -> None:
         """Bind every socket; rank 0 then writes run.json naming every rank's endpoints."""
         publisher, self.run_dir = self.publisher, run_dir
-        endpoints = publisher.start()
+        # under torchrun, named as the other nodes reach them (a rank bound to 0.0.0.0 by its
+        # node's address): run.json is read from other hosts
+        distributed = world_size > 1
+        endpoints = {k: reachable(v) if distributed else v for k, v in publisher.start().items()}
         ranks_endpoints = agreement.gather(dict(endpoints))  # every rank, in step
         if self.rank == 0:
             self.control = ControlServer(host=self.host, context=self.context, curve=self.keys)
-            endpoints["control"] = self.control.start()
+            control = self.control.start()
+            endpoints["control"] = reachable(control) if distributed else control
             info = RunInfo(publisher.run_id, run_name, os.getpid(), time.time(), endpoints,
                            host=socket.gethostname(), world_size=world_size,
                            ranks=ranks_endpoints, extra={"config": config},

@@ -47,7 +47,8 @@ def torchrun() -> list[str]:
 class TwoNodes:
     """One torchrun per node; JSON lines from each node's rank, read with deadlines."""
 
-    def __init__(self, net: Network, tmp: Path, name: str, keys: Path, port: int, *args: str) -> None:
+    def __init__(self, net: Network, tmp: Path, name: str, keys: Path, port: int, *args: str,
+                 host: str | None = None) -> None:
         self.run_dir = tmp / name
         self.procs, self.lines, self.stderr_paths = [], [], []
         self._buffers = [b"", b""]
@@ -58,7 +59,7 @@ class TwoNodes:
                    "--rdzv-id", name, "--local-addr", net.addr[node],
                    # the rendezvous store's host is node 0: its hostname names no address of a namespace
                    "--rdzv-conf", f"is_host={int(rank == 0)},join_timeout=60",
-                   str(HELPER), "--run-dir", str(self.run_dir), "--host", net.addr[node],
+                   str(HELPER), "--run-dir", str(self.run_dir), "--host", host or net.addr[node],
                    "--keys", str(keys), *args]
             with err.open("wb") as out:
                 self.procs.append(net.popen(node, ["env", "GLOO_SOCKET_IFNAME=eth0", *cmd], env=ENV,
@@ -153,8 +154,9 @@ def test_two_nodes_publish_agree_on_a_halt_and_checkpoint_and_resume_bit_for_bit
     with Network(NODES) as net:
         started = time.monotonic()
         reference = TwoNodes(net, tmp_path, "reference", keys, 29411, "--max-duration", DURATION)
+        # bound to every interface: run.json still names each rank at its own node's address
         halted = TwoNodes(net, tmp_path, "halted", keys, 29412, "--max-duration", DURATION,
-                          "--block-at", str(BLOCK_AT), "--wait-requests", "2")
+                          "--block-at", str(BLOCK_AT), "--wait-requests", "2", host="0.0.0.0")
         info = wait_for_run(halted)
         halted.wait_line(lambda line: line.get("blocked") == BLOCK_AT)
         assert [eps["events"].split("//")[1].split(":")[0] for eps in info.ranks] == [net.addr[n] for n in NODES]
