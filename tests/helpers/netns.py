@@ -61,7 +61,14 @@ class Network:
         done = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, timeout=_IP_TIMEOUT)
         if done.returncode != 0:
             return f"`ip netns add` is not permitted here: {done.stderr.strip()}"
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=_IP_TIMEOUT)
+        try:  # what _build() needs besides: a bridge and a veth pair (kernel modules a sandbox may lack)
+            for what, args in (("a bridge", ("link", "add", "br0", "type", "bridge")),
+                               ("a veth pair", ("link", "add", "a0", "type", "veth", "peer", "name", "b0"))):
+                made = _ip(*args, netns=name, check=False)
+                if made.returncode != 0:
+                    return f"`ip link add` of {what} is not permitted here: {made.stderr.strip()}"
+        finally:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=_IP_TIMEOUT)
         return None
 
     def __enter__(self) -> Network:
