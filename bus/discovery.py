@@ -26,6 +26,7 @@ __all__ = [
     "find_run",
     "list_runs",
     "pid_alive",
+    "at_host",
 ]
 
 RUN_FILE = "run.json"
@@ -170,12 +171,14 @@ def _ask_endpoint(endpoint: str, timeout: float, curve=None) -> RunInfo:
     # a trainer bound to every interface (0.0.0.0) names its endpoints by that wildcard;
     # from elsewhere they are reached at the host this endpoint was reached at
     host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
-    info.endpoints = {k: _reach(v, host) for k, v in info.endpoints.items()}
-    info.ranks = [{k: _reach(v, host) for k, v in eps.items()} for eps in info.ranks]
+    info.endpoints = {k: at_host(v, host) for k, v in info.endpoints.items()}
+    info.ranks = [{k: at_host(v, host) for k, v in eps.items()} for eps in info.ranks]
     return info
 
 
-def _reach(endpoint: str, host: str) -> str:
+def at_host(endpoint: str, host: str) -> str:
+    """An endpoint bound to every interface (0.0.0.0, *, ::) as reached at `host`; any
+    other endpoint as it is."""
     for wildcard in ("tcp://0.0.0.0:", "tcp://*:", "tcp://[::]:"):
         if isinstance(endpoint, str) and endpoint.startswith(wildcard):
             return f"tcp://{host}:{endpoint[len(wildcard):]}"

@@ -277,14 +277,15 @@ class Relay:
             return frame
         if reply.get("k") != "info" or not isinstance(reply.get("run"), dict):
             return frame
-        run = dict(reply["run"])
-        run["endpoints"] = dict(self.endpoints)
-        run["ranks"] = [{k: v for k, v in self.endpoints.items() if k != "control"}]
-        run["curve_public"] = self.keys.public.decode() if self.keys is not None else ""
-        extra = dict(run.get("extra") or {})
-        extra["relayed_from"] = self.upstream.get("state", "")
-        run["extra"] = extra
-        return encode_reply("info", run=run)
+        return encode_reply("info", run=self.relayed(reply["run"]))
+
+    def relayed(self, run: dict[str, Any]) -> dict[str, Any]:
+        """Run info (run.json's fields) as a monitor of this relay must see it: the relay's
+        endpoints and key, and the trainer's state endpoint in `extra.relayed_from`."""
+        return {**run, "endpoints": dict(self.endpoints),
+                "ranks": [{k: v for k, v in self.endpoints.items() if k != "control"}],
+                "curve_public": self.keys.public.decode() if self.keys is not None else "",
+                "extra": {**(run.get("extra") or {}), "relayed_from": self.upstream.get("state", "")}}
 
     def _cut_revoked(self) -> None:
         """A monitor key revoked at the relay keeps no events connection (see events_proxy)."""

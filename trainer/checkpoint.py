@@ -155,7 +155,6 @@ def remove_stale(folder: Path) -> list[str]:
     return removed
 
 
-
 def _os_error(exc: BaseException | None) -> OSError | None:
     seen = 0
     while exc is not None and seen < 10:

@@ -9,9 +9,9 @@ import socket
 import torch
 import torch.distributed as dist
 
-__all__ = ["rank", "world_size", "is_distributed", "init_from_env", "ControlAgreement", "reachable"]
+from offloop.bus.discovery import at_host
 
-_WILDCARDS = ("tcp://0.0.0.0:", "tcp://*:")
+__all__ = ["rank", "world_size", "is_distributed", "init_from_env", "ControlAgreement", "reachable"]
 
 
 def is_distributed() -> bool:
@@ -40,9 +40,6 @@ def reachable(endpoint: str, master: str | None = None) -> str:
     (0.0.0.0) is given the address this node reaches the rendezvous host (MASTER_ADDR)
     from, so a rank on another node is not listed at rank 0's host (or its hostname,
     when there is no such route)."""
-    prefix = next((w for w in _WILDCARDS if endpoint.startswith(w)), None)
-    if prefix is None:
-        return endpoint
     master = master or os.environ.get("MASTER_ADDR", "")
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # a route lookup; nothing is sent
@@ -50,7 +47,7 @@ def reachable(endpoint: str, master: str | None = None) -> str:
             address = probe.getsockname()[0]
     except OSError:
         address = socket.gethostname()
-    return f"tcp://{address}:{endpoint[len(prefix):]}"
+    return at_host(endpoint, address)
 
 
 class ControlAgreement:

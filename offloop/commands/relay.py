@@ -96,11 +96,10 @@ def run(args: argparse.Namespace) -> int:
     announced = None
     if args.announce:
         announced = os.path.join(args.announce, info.run_name)
-        write_run_info(announced, RunInfo(
-            info.run_id, info.run_name, os.getpid(), time.time(), endpoints, host=socket.gethostname(),
-            world_size=info.world_size, ranks=[{k: v for k, v in endpoints.items() if k != "control"}],
-            extra={"relayed_from": info.endpoints.get("state", "")},
-            curve_public=keys.public.decode() if keys else ""))
+        # this process stands for the run on this host: `ls` sees it live while the relay runs
+        write_run_info(announced, RunInfo.from_dict(relay.relayed({
+            **info.to_dict(), "pid": os.getpid(), "started": time.time(), "host": socket.gethostname(),
+            "run_dir": "", "extra": {}})))
     signal.signal(signal.SIGTERM, _interrupted)  # a stopped container: close, mark the announced run
     print(f"offloop relay: run {info.run_name} from {info.endpoints.get('state')} at {endpoints['state']} "
           f"(events {endpoints['events']}, control {endpoints.get('control', '-')})", file=sys.stderr, flush=True)
