@@ -29,6 +29,7 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Callable
 from itertools import repeat, starmap
+from operator import itemgetter
 from typing import Any
 
 import zmq
@@ -86,6 +87,9 @@ MAX_SUBSCRIPTION_BYTES = 4096
 #: until libzmq has handed them to every subscriber's connection; smaller ones (a step's
 #: burst is 1-2 KiB) are bounded by the subscriber queue's message count alone
 TRACKED_BYTES = 4096
+#: released bursts kept for the service thread to fold into the late-join state; past this
+#: many the releasing thread folds them itself
+FOLD_AT_MOST = 64
 _STALL_CHECK = 0.05  # seconds: held events older than this (and the interval) leave from the service thread
 _SUBSCRIPTION_SETTLE = 0.01  # seconds; libzmq's max_command_delay is 3M TSC ticks (~1 ms)
 
@@ -177,6 +181,9 @@ class Publisher:
         self._released_ts: Any = None  # the ts of the last entry released (under _send_lock)
         self._send_lock = threading.Lock()
         self._latest: dict[str, list] = {}  # [topic, seq, tseq, t, ts, data] of each topic
+        # released (seq, first tseq, entries) not yet folded into _latest: the service thread
+        # folds them, off the loop (_fold); a late joiner's state folds them first
+        self._unfolded: list[tuple[int, dict[str, int], list]] = []
         self._encoder = EventEncoder(run_id, self.publisher_id, rank)
         self._state_encoder = EventEncoder(run_id, self.publisher_id, rank)  # service thread's
         self._own_context = context is None
@@ -308,9 +315,10 @@ class Publisher:
                 self._held_ts = ts
                 held.append((topic, time.time(), data, ts))
             if len(held) >= HOLD_AT_MOST:
-                self.release()
+                self._release_own()
             return True
         with self._send_lock:  # the service thread may be releasing what was held before
+            self._fold()  # what was released before this event is older than it
             seq = self._advance(1)
             n = self._tseq[topic] = self._tseq.get(topic, 0) + 1
             event = self._latest[topic] = [topic, seq, n, time.time(), ts, data if data is not None else {}]
@@ -332,25 +340,36 @@ class Publisher:
 
     def _number(self, held: list) -> tuple[int, dict[str, int]]:
         """Number held entries in publishing order: (the first one's seq, each topic's
-        first tseq), and keep the latest of each topic for late joiners as a whole event
-        [topic, seq, tseq, t, ts, data]. Per topic rather than per event: the entries go
-        out as they are. Under _send_lock."""
+        first tseq). Per topic rather than per event: the entries go out as they are; the
+        latest of each topic, for late joiners, is found later (_fold). Under _send_lock."""
         if len(held[0]) == 3:  # its ts is the last one released (the entry before it)
             held[0] = (*held[0], self._released_ts)
-        n_held = len(held)
-        seq = self._advance(n_held)
-        topics = [entry[0] for entry in held]
+        seq = self._advance(len(held))
         tseq, first = self._tseq, {}
-        for topic, count in Counter(topics).items():  # counted in C
+        for topic, count in Counter(map(_TOPIC, held)).items():  # counted in C
             n = tseq.get(topic, 0)
             first[topic] = n + 1
             tseq[topic] = n + count
-        latest = self._latest
-        for topic, i in dict(zip(topics, range(n_held), strict=True)).items():  # each one's last
-            t, data = held[i][1], held[i][2]
-            latest[topic] = [topic, seq + i, tseq[topic], t, entry_ts(held, i), data if data is not None else {}]
+        self._unfolded.append((seq, first, held))
+        if len(self._unfolded) >= FOLD_AT_MOST:  # the service thread is late: bound what waits
+            self._fold()
         self._released_ts = entry_ts(held, -1)
         return seq, first
+
+    def _fold(self) -> None:
+        """Keep the latest event of each topic released since the last fold as a whole event
+        [topic, seq, tseq, t, ts, data], newest releases first. Under _send_lock."""
+        unfolded, latest, done = self._unfolded, self._latest, set()
+        while unfolded:
+            seq, first, held = unfolded.pop()
+            topics = list(map(_TOPIC, held))
+            counts = Counter(topics)
+            for topic, i in dict(zip(topics, range(len(held)), strict=True)).items():  # each one's last
+                if topic not in done:
+                    done.add(topic)
+                    data = held[i][2]
+                    latest[topic] = [topic, seq + i, first[topic] + counts[topic] - 1, held[i][1],
+                                     entry_ts(held, i), data if data is not None else {}]
 
     def _send(self, frames: list) -> bool:
         """Send one message; a full queue, or the byte bound, drops and counts it. Under _send_lock."""
@@ -421,9 +440,18 @@ class Publisher:
             self._holding = True
 
     def release_due(self) -> None:
-        """release(), if the last burst left at least the hold interval ago."""
+        """release(), if the last burst left at least the hold interval ago. From the
+        publishing thread only (the loop's, where release() may come from any thread)."""
         if self._held and time.perf_counter() - self._released_at >= self._hold_interval:
-            self.release()
+            self._release_own()
+
+    def _release_own(self) -> None:
+        """release() from the publishing thread: nothing appends meanwhile, so it takes the
+        held queue whole instead of popping it event by event."""
+        with self._send_lock:
+            held, self._held = self._held, deque()
+            if held:
+                self._release_entries(list(held))
 
     def release(self, *, stop_holding: bool = False) -> None:
         """Send every held event now: one burst message (or several, within the size
@@ -436,13 +464,17 @@ class Publisher:
                 self._holding = False
 
     def _release_held(self) -> None:
-        """Number and send everything held now. Under _send_lock."""
+        """Number and send everything held now, popped (the publishing thread may be
+        appending). Under _send_lock."""
         queue = self._held
         if queue:
-            held = list(starmap(queue.popleft, repeat((), len(queue))))  # popped in C, not a Python loop
-            self._released_at = time.perf_counter()
-            seq, first = self._number(held)
-            self._send_held(held, seq, first)
+            self._release_entries(list(starmap(queue.popleft, repeat((), len(queue)))))  # popped in C
+
+    def _release_entries(self, held: list) -> None:
+        """Number and send entries taken from the held queue. Under _send_lock."""
+        self._released_at = time.perf_counter()
+        seq, first = self._number(held)
+        self._send_held(held, seq, first)
 
     def _send_held(self, held: list, seq: int, first: dict[str, int]) -> None:
         encoder = self._encoder
@@ -516,6 +548,9 @@ class Publisher:
                     wait = min(wait, _STALL_CHECK)
                 ready = dict(poller.poll(wait * 1000))
                 self._release_stalled()
+                if self._unfolded:
+                    with self._send_lock:
+                        self._fold()
                 if watcher in ready:
                     self._track_subscriptions(watcher)
                 if router in ready:
@@ -673,6 +708,7 @@ class Publisher:
     def _state_snapshot(self) -> tuple:
         """Under _send_lock, where every numbered event is also the latest of its topic: the
         latest events, encoded, with counters that count none the state does not hold."""
+        self._fold()
         entries = []
         for event in sorted(self._latest.values(), key=lambda event: event[1]):
             try:
@@ -699,6 +735,7 @@ class Publisher:
         return out
 
 
+_TOPIC = itemgetter(0)  # a held entry's topic
 _NO_TS = object()  # no held entry has this ts: the first one appended always carries its own
 #: run.json's fields an info request gets from a run without keys
 _PUBLIC_INFO = frozenset({"run_id", "run_name", "pid", "started", "endpoints", "host", "finished", "world_size",

@@ -430,6 +430,32 @@ def test_held_events_sharing_a_ts_keep_it_across_releases_for_bursts_topics_and_
     publisher.release(stop_holding=True)
 
 
+def test_a_late_joiners_state_is_each_topics_latest_after_hundreds_of_releases_and_an_event_not_held(publisher):
+    # a release every step: far more releases than the publisher's thread folds into the
+    # late-join state between its rounds, so the releasing thread folds some itself
+    published = []  # (topic, ts, i) in publishing order: the oracle numbers them one by one
+    publisher.hold(interval=0.0)
+    for i in range(1, 301):
+        ts = (0, i, i, i, 0)
+        for topic in ("epoch_start", "batch_end") if i % 3 else ("epoch_start",):  # topics kept for late joiners
+            publisher.publish(topic, ts, {"i": i})
+            published.append((topic, ts, i))
+        publisher.release_due()
+    publisher.publish("eval_end", ts, {"i": 300})
+    published.append(("eval_end", ts, 300))
+    publisher.release(stop_holding=True)
+    publisher.publish("epoch_start", (0, 301, 301, 301, 0), {"i": 301})  # not held: numbered and sent now
+    published.append(("epoch_start", (0, 301, 301, 301, 0), 301))
+    latest, tseq = {}, {}
+    for seq, (topic, ts, i) in enumerate(published, start=1):
+        tseq[topic] = tseq.get(topic, 0) + 1
+        latest[topic] = (seq, tseq[topic], ts, i)
+    with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"], settle=0.2) as late:
+        state = late.connect(join_timeout=5)
+        assert {m.topic: (m.seq, m.tseq, m.ts, m.data["i"]) for m in state.entries} == latest
+        assert latest["batch_end"][3] == 299 and latest["epoch_start"][3] == 301
+
+
 def test_reserved_topics_are_refused_and_unencodable_held_events_are_counted_not_raised(publisher):
     publisher._open_prefixes = ("",)  # as with a subscriber of everything
     for topic in ("_hb", "_burst", "_mine", "a\0b"):
