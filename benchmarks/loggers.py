@@ -17,10 +17,14 @@ renamed into place). Cases, each an epoch at a time, taking turns:
   offloop_bare  the Trainer with the same evaluation and a CheckpointSaver, no other
                 callbacks and no loggers
 
-A case's figure is an epoch's wall time (training, evaluation, checkpoint) over its 100
-batches. The Trainer trains each epoch with `fit(duration=...)`, so its figure also holds
-a fit_start and a fit_end per epoch that a real run pays once. The hand-written cases also
-report the logging calls' own time on the training thread, per step (mean and p99).
+The cases take turns in rounds; at each turn a case trains a block of consecutive epochs
+(3 by default: what its loggers and workers leave running after an epoch lands on its own
+next epoch, as in a real run), then the next case waits for idle CPUs (quiet.py), so no
+case is charged for another's leftover work. A block's figure is its wall time (training,
+evaluations, checkpoints) over its batches. The Trainer trains a block with one
+`fit(duration=...)`, so its figure also holds a fit_start and a fit_end per block that a
+real run pays once. The hand-written cases also report the logging calls' own time on the
+training thread, per step (mean and p99).
 
 What it does not show: a GPU (where `.item()` is also a device sync); a tracking server
 over a network (wandb runs offline, TensorBoard writes a local file); spare cores (the
@@ -30,7 +34,7 @@ more here than in most runs, for every case alike).
 
 Prints one JSON object per case and, last, a summary with the ratios to `plain`.
 
-Run: python benchmarks/loggers.py [--epochs N] [--batches N]
+Run: python benchmarks/loggers.py [--rounds N] [--block N] [--batches N]
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 import trainer_overhead  # beside this script: its large model
+from quiet import wait_for_quiet
 
 from offloop.callbacks import CheckpointSaver, EarlyStopper, LRMonitor, SpeedMonitor
 from offloop.loggers import TensorboardLogger, WandBLogger
@@ -103,6 +108,10 @@ class HandLoop:
         self.step = 0
         self.log_us: list[float] = []
 
+    def run_epochs(self, epochs: int) -> None:
+        for _ in range(epochs):
+            self.epoch()
+
     def epoch(self) -> None:
         model, opt, clock = self.model, self.opt, time.perf_counter
         model.train()
@@ -152,7 +161,7 @@ class HandLoop:
 
 
 class OffloopLoop:
-    """The Trainer, built once; each epoch is one more fit() of one epoch."""
+    """The Trainer, built once; each block is one more fit() of its epochs."""
 
     def __init__(self, train: Epoch, evaluation: Epoch, workdir: str, loggers: bool) -> None:
         model, opt = make_model()
@@ -171,8 +180,8 @@ class OffloopLoop:
                                run_name="bench", hparams={"lr": LR}, seed=SEED)
         self.epochs = 0
 
-    def epoch(self) -> None:
-        self.epochs += 1
+    def run_epochs(self, epochs: int) -> None:
+        self.epochs += epochs
         self.trainer.fit(duration=f"{self.epochs}ep")
 
     def close(self) -> dict:
@@ -184,7 +193,8 @@ class OffloopLoop:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--epochs", type=int, default=15, help="timed epochs per case, taking turns")
+    parser.add_argument("--rounds", type=int, default=10, help="timed blocks per case, taking turns")
+    parser.add_argument("--block", type=int, default=3, help="consecutive epochs a case trains at its turn")
     parser.add_argument("--batches", type=int, default=100, help="training batches per epoch")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -199,22 +209,23 @@ def main() -> None:
         cases["offloop"] = OffloopLoop(train, evaluation, os.path.join(root, "offloop"), loggers=True)
         cases["offloop_bare"] = OffloopLoop(train, evaluation, os.path.join(root, "offloop_bare"), loggers=False)
         per_step: dict[str, list[float]] = {name: [] for name in cases}
-        for epoch in range(args.epochs + 1):  # epoch 0 of each case warms it up and is not kept
+        waited: list[float] = []
+        for r in range(args.rounds + 1):  # round 0 warms every case up and is not kept
             for name, case in cases.items():
+                waited.append(wait_for_quiet())  # the case before it has finished its leftover work
                 start = time.perf_counter()
-                case.epoch()
-                if epoch:
-                    per_step[name].append((time.perf_counter() - start) * 1e6 / args.batches)
-                time.sleep(0.05)  # the worker finishes the epoch's events before the next case runs
-            if epoch and epoch % 5 == 0:
-                print(f"epoch {epoch}/{args.epochs}: " + ", ".join(
+                case.run_epochs(args.block)
+                if r:
+                    per_step[name].append((time.perf_counter() - start) * 1e6 / (args.block * args.batches))
+            if r:
+                print(f"round {r}/{args.rounds}: " + ", ".join(
                     f"{name} {statistics.fmean(v):.0f} us" for name, v in per_step.items()), file=sys.stderr, flush=True)
         info = {name: case.close() for name, case in cases.items()}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     lines = {}
     for name, values in per_step.items():
-        lines[name] = {"case": name, "epochs": len(values), "step_mean_us": round(statistics.fmean(values), 1),
+        lines[name] = {"case": name, "blocks": len(values), "step_mean_us": round(statistics.fmean(values), 1),
                        "step_median_us": round(statistics.median(values), 1), **info[name]}
         print(json.dumps(lines[name]), flush=True)
     plain = lines["plain"]
@@ -223,11 +234,12 @@ def main() -> None:
         if name != "plain":
             summary[f"ratio_{name}_mean"] = round(line["step_mean_us"] / plain["step_mean_us"], 3)
             summary[f"ratio_{name}_median"] = round(line["step_median_us"] / plain["step_median_us"], 3)
-            per_epoch = [a / b for a, b in zip(per_step[name], per_step["plain"], strict=True)]
-            summary[f"ratio_{name}_epoch_median"] = round(statistics.median(per_epoch), 3)
+            per_block = [a / b for a, b in zip(per_step[name], per_step["plain"], strict=True)]
+            summary[f"ratio_{name}_block_median"] = round(statistics.median(per_block), 3)
     summary["offloop_vs_tb_wandb_mean"] = round(lines["offloop"]["step_mean_us"] / lines["tb_wandb"]["step_mean_us"], 3)
     summary["target"] = {"ratio_offloop_mean": TARGET, "met": summary["ratio_offloop_mean"] <= TARGET}
-    summary |= {"epochs": args.epochs, "batches_per_epoch": args.batches, "eval_batches": EVAL_BATCHES,
+    summary |= {"rounds": args.rounds, "epochs_per_block": args.block, "quiet_wait_s_median": round(
+        statistics.median(waited), 2), "quiet_wait_s_max": round(max(waited), 2), "batches_per_epoch": args.batches, "eval_batches": EVAL_BATCHES,
                 "torch": torch.__version__, "threads": torch.get_num_threads()}
     print(json.dumps(summary))
 
