@@ -4,7 +4,7 @@ on the training thread, against offloop's TensorboardLogger and WandBLogger in a
 The real-size model of trainer_overhead.py (MLP 784-512-512-10, batch 64, SGD, one torch
 thread, CPU), epochs of 100 batches, each followed by an evaluation (4 batches, accuracy
 with torchmetrics) and a checkpoint (model and optimizer, written to a temporary file and
-renamed into place). Cases, each an epoch at a time, taking turns:
+renamed into place). Cases, taking turns:
 
   plain         the hand-written loop: train, evaluate, checkpoint; no logging
   tensorboard   plain + SummaryWriter.add_scalar x4 every step (loss, lr, samples/s,

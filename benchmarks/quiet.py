@@ -3,9 +3,9 @@
 A case leaves work behind it: wandb's service process writing what was logged, a
 TensorBoard writer thread, offloop's worker finishing its callbacks and loggers. With a
 fixed short pause between cases that work runs into the next case's timed span and is
-charged to it, always to the same case when the order is fixed. Cases here run a block of
-consecutive epochs (so a case's own spill-over lands on its own next epoch, as in a real
-run) and then wait until the machine's CPUs are idle before the next case starts.
+charged to it, always to the same case when the order is fixed. loggers.py and
+integrations.py run several consecutive epochs at a case's turn (its own leftover work
+lands on its own next epoch, as in a real run) and wait for idle CPUs before each case.
 """
 
 from __future__ import annotations
