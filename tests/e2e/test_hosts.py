@@ -25,6 +25,7 @@ from conftest import Proc
 from helpers.host_probe import FloodProbe
 from helpers.netns import Network
 from helpers.prometheus_server import Prometheus, scrape_config
+from helpers.waiting import wait_until
 
 from offloop.bus import Subscriber
 from offloop.bus.security import load_client_keys
@@ -50,13 +51,9 @@ def make_keys(folder: Path) -> None:
                        check=True, capture_output=True, timeout=60)
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    """predicate()'s first true value; fails the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(interval)
-    return value
+def wait_for(predicate, timeout: float, what: str):
+    """predicate()'s first true value, looked for every 50 ms (it reads files)."""
+    return wait_until(predicate, timeout, what, interval=0.05)
 
 
 def notes(path: Path) -> list[dict]:

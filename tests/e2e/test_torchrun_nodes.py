@@ -22,8 +22,9 @@ import pytest
 import torch
 from helpers.ddp_train import weights_digest
 from helpers.netns import Network
+from helpers.ranks import drain, wait_for_run
 
-from offloop.bus import ControlClient, RunNotFound, Subscriber, find_run
+from offloop.bus import ControlClient, Subscriber
 from offloop.bus.security import load_client_keys
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,27 +114,6 @@ class TwoNodes:
         return {line["rank"]: line for line in self.lines if line.get("final")}
 
 
-def wait_for_run(run: TwoNodes, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return find_run(str(run.run_dir))
-        except RunNotFound:
-            assert time.monotonic() < deadline, f"no run.json within {timeout}s\n{run.stderr()}"
-            time.sleep(0.05)
-
-
-def drain(subs: dict[int, Subscriber], timeout: float = 60.0) -> dict[int, list]:
-    got: dict[int, list] = {rank: [] for rank in subs}
-    deadline = time.monotonic() + timeout
-    while not all(sub.finished for sub in subs.values()):
-        assert time.monotonic() < deadline, f"a rank still publishing after {timeout}s"
-        for rank, sub in subs.items():
-            while not sub.finished and (msg := sub.recv(timeout=0.05)) is not None:
-                got[rank].append(msg)
-    return got
-
-
 def ask(endpoint: str, curve, op: str, args: dict, out: dict) -> threading.Thread:
     def run():
         with ControlClient(endpoint, curve=curve) as client:
@@ -157,7 +137,7 @@ def test_two_nodes_publish_agree_on_a_halt_and_checkpoint_and_resume_bit_for_bit
         # bound to every interface: run.json still names each rank at its own node's address
         halted = TwoNodes(net, tmp_path, "halted", keys, 29412, "--max-duration", DURATION,
                           "--block-at", str(BLOCK_AT), "--wait-requests", "2", host="0.0.0.0")
-        info = wait_for_run(halted)
+        info = wait_for_run(halted.run_dir, 60.0, stderr=halted.stderr)
         halted.wait_line(lambda line: line.get("blocked") == BLOCK_AT)
         assert [eps["events"].split("//")[1].split(":")[0] for eps in info.ranks] == [net.addr[n] for n in NODES]
         subs = {rank: Subscriber(eps["events"], eps["state"], topics=TOPICS, curve=observer, heartbeat_timeout=30)
@@ -169,7 +149,7 @@ def test_two_nodes_publish_agree_on_a_halt_and_checkpoint_and_resume_bit_for_bit
         threads = [ask(info.endpoints["control"], control, "checkpoint", {"tag": "resume"}, acks),
                    ask(info.endpoints["control"], control, "halt", {"reason": "test"}, acks)]
         try:
-            events = drain(subs)
+            events = drain(subs, 60.0)
         finally:
             for sub in subs.values():
                 sub.close()

@@ -6,10 +6,11 @@ import time
 from collections.abc import Callable
 
 
-def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.005) -> None:
-    """Return once `condition()` is true; fail the test, naming `what`, after `timeout` seconds."""
+def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.005) -> object:
+    """`condition()`'s first true value; fail the test, naming `what`, after `timeout` seconds."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    while not (value := condition()):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+    return value

@@ -23,8 +23,9 @@ import pytest
 import torch
 from common import ask
 from helpers.ddp_train import weights_digest  # the digest the ranks print
+from helpers.ranks import drain, wait_for_run
 
-from offloop.bus import RunNotFound, Subscriber, find_run
+from offloop.bus import Subscriber, find_run
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPER = ROOT / "tests" / "helpers" / "ddp_train.py"
@@ -148,32 +149,6 @@ def launch(tmp_path_factory):
         run.popen.stdout.close()
 
 
-def wait_for_run(run: Torchrun, timeout: float = 30.0):
-    """The run's run.json, once rank 0 has written it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return find_run(str(run.run_dir))
-        except RunNotFound:
-            if time.monotonic() > deadline or run.popen.poll() is not None:
-                raise AssertionError(f"no run.json in {run.run_dir} within {timeout}s "
-                                     f"(exit {run.popen.poll()})\n{run.stderr()}") from None
-            time.sleep(0.02)
-
-
-def drain(subs: dict[int, Subscriber], timeout: float = 30.0) -> dict[int, list]:
-    """Every rank's events until its publisher has finished (final heartbeat)."""
-    got: dict[int, list] = {rank: [] for rank in subs}
-    deadline = time.monotonic() + timeout
-    while not all(sub.finished for sub in subs.values()):
-        open_ranks = [rank for rank, sub in subs.items() if not sub.finished]
-        assert time.monotonic() < deadline, f"rank(s) {open_ranks} still publishing after {timeout}s"
-        for rank, sub in subs.items():
-            while not sub.finished and (msg := sub.recv(timeout=0.05)) is not None:
-                got[rank].append(msg)
-    return got
-
-
 @pytest.fixture(scope="module")
 def reference(launch):
     """An uninterrupted 2-rank run, started up front: it trains while the others start."""
@@ -195,7 +170,7 @@ def halted(launch, reference, sigterm_run):
     """A 2-rank run, halted and checkpointed from outside at step STEP."""
     run = launch("halted", "--max-duration", DURATION, "--block-at", str(BLOCK_AT),
                  "--wait-requests", "2")
-    info = wait_for_run(run)
+    info = wait_for_run(run.run_dir, 30.0, exited=run.popen.poll, stderr=run.stderr)
     run.wait_line(lambda line: line.get("blocked") == BLOCK_AT)
     subs = {rank: Subscriber(eps["events"], eps["state"], topics=TOPICS)
             for rank, eps in enumerate(info.ranks)}
@@ -205,7 +180,7 @@ def halted(launch, reference, sigterm_run):
     threads = [ask(info.endpoints["control"], "checkpoint", {"tag": "resume"}, acks),
                ask(info.endpoints["control"], "halt", {"reason": "test"}, acks)]
     try:
-        events = drain(subs)
+        events = drain(subs, 30.0)
     finally:
         for sub in subs.values():
             sub.close()

@@ -8,6 +8,7 @@ import threading
 import time
 
 from helpers.tcp_pause import PausableLink
+from helpers.waiting import wait_until
 
 from offloop.bus import Publisher, RunInfo
 from offloop.workers import Callback, Worker
@@ -27,13 +28,6 @@ class Seen(Callback):
         self.at_fit_end = {"loss": state.loss, "eval": dict(state.eval_metrics.get("eval", {}))}
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.01)
-
-
 def test_a_worker_waits_out_a_partition_and_folds_what_it_lost_into_its_state(capsys):
     lost_batches = 20_000  # far more than the kernel's buffers and the subscriber queue (50) hold
     with Publisher("run", subscriber_hwm=50, heartbeat_interval=0.1) as pub, \
@@ -49,17 +43,17 @@ def test_a_worker_waits_out_a_partition_and_folds_what_it_lost_into_its_state(ca
         thread.start()
         for i in range(1, 6):
             pub.publish("batch_end", (0, i, i, 0, 0), {"loss": float(i)})
-        wait_for(lambda: len(seen.batches) == 5, 10, "five batches handled")
+        wait_until(lambda: len(seen.batches) == 5, 10, "five batches handled")
 
         err: list[str] = []  # the worker's stderr
         link.pause()
-        wait_for(lambda: err.append(capsys.readouterr().err) or "partitioned" in "".join(err), 10, "the report")
+        wait_until(lambda: err.append(capsys.readouterr().err) or "partitioned" in "".join(err), 10, "the report")
         for i in range(6, 6 + lost_batches):
             pub.publish("batch_end", (0, i, i, 0, 0), {"loss": float(i), "pad": "x" * 1000})
         last = 5 + lost_batches
         pub.publish("eval_end", (0, last, last, 0, 0), {"dataloader_label": "eval", "metrics": {"acc": 0.75}})
         link.resume()
-        wait_for(lambda: err.append(capsys.readouterr().err) or "caught up" in "".join(err), 30,
+        wait_until(lambda: err.append(capsys.readouterr().err) or "caught up" in "".join(err), 30,
                  "the heal report")
         pub.publish("fit_end", (1, last, 0, 0, 0), {})
         thread.join(timeout=30)
