@@ -94,12 +94,26 @@ def parse_duration(name: str, value: Any) -> Time:
         raise ConfigError(f"{name}: {exc}") from None
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    """'auto', 'cpu', 'cuda', 'cuda:N', or Composer's 'gpu' (the current CUDA device)."""
+def resolve_device(device: str | torch.device, local_rank: int | None = None,
+                   cuda_devices: int | None = None) -> torch.device:
+    """'auto', 'cpu', 'cuda', 'cuda:N', or Composer's 'gpu' (the current CUDA device).
+
+    Under torchrun (`local_rank` given) 'auto', 'gpu' and 'cuda' name the rank's own GPU,
+    cuda:LOCAL_RANK, as Composer's DeviceGPU does: NCCL refuses two ranks on one GPU.
+    `cuda_devices` is how many this machine has (read from torch when not given)."""
+    count = torch.cuda.device_count() if cuda_devices is None else cuda_devices
+    if device == "auto" and not count:
+        return torch.device("cpu")
+    if device in ("auto", "gpu", "cuda") and local_rank is not None and count:
+        if local_rank >= count:
+            raise ConfigError(f"device {device!r} gives each rank its own GPU, cuda:LOCAL_RANK, but this rank's "
+                              f"LOCAL_RANK is {local_rank} and this machine has {count} CUDA device(s): start "
+                              f"at most {count} process(es) per node, or pass device='cpu'")
+        return torch.device("cuda", local_rank)
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda")
     if device == "gpu":
-        if not torch.cuda.is_available():
+        if not count:
             raise ConfigError("device 'gpu' was asked for, but this machine has no CUDA device")
         return torch.device("cuda", torch.cuda.current_device())
     try:
@@ -108,12 +122,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise ConfigError(f"device {device!r} is not a device: use 'auto', 'cpu', 'gpu', 'cuda' or 'cuda:N'") from None
     if resolved.type not in ("cpu", "cuda"):
         raise ConfigError(f"device {device!r} is not supported: use 'auto', 'cpu', 'gpu', 'cuda' or 'cuda:N'")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
+    if resolved.type == "cuda" and not count:
         raise ConfigError(f"device {device!r} was asked for, but this machine has no CUDA device")
-    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= count:
         raise ConfigError(f"device {device!r} was asked for, but this machine has "
-                          f"{torch.cuda.device_count()} CUDA device(s): use cuda:0 … "
-                          f"cuda:{torch.cuda.device_count() - 1}")
+                          f"{count} CUDA device(s): use cuda:0 … cuda:{count - 1}")
     return resolved
 
 

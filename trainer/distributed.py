@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from offloop.bus.discovery import at_host
 
-__all__ = ["rank", "world_size", "is_distributed", "init_from_env", "ControlAgreement", "reachable"]
+__all__ = ["rank", "world_size", "is_distributed", "local_rank", "init_from_env", "ControlAgreement", "reachable"]
 
 
 def is_distributed() -> bool:
@@ -26,12 +26,21 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
-def init_from_env() -> bool:
-    """Join the process group torchrun describes (gloo on CPU, nccl on CUDA)."""
+def local_rank() -> int | None:
+    """This rank's index on its node under torchrun (LOCAL_RANK), None when not launched so."""
+    if int(os.environ.get("WORLD_SIZE", 1)) <= 1 or "LOCAL_RANK" not in os.environ:
+        return None
+    return int(os.environ["LOCAL_RANK"])
+
+
+def init_from_env(device: torch.device) -> bool:
+    """Join the process group torchrun describes: nccl when this rank trains on a GPU, gloo
+    when on the CPU (a CPU run on a machine with GPUs too)."""
     if is_distributed() or int(os.environ.get("WORLD_SIZE", 1)) <= 1:
         return is_distributed()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return True
 
 

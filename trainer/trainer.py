@@ -85,10 +85,10 @@ class Trainer:
         arguments.check_run(callbacks, publish, load_path, loggers)
         self.algorithms = check_algorithms(algorithms)
 
-        self.rank = distributed.rank() if distributed.init_from_env() else 0
+        self.device = arguments.resolve_device(device, distributed.local_rank())
+        self.rank = distributed.rank() if distributed.init_from_env(self.device) else 0
         self.world_size = distributed.world_size()
         self._agreement = distributed.ControlAgreement()  # every rank's say in control decisions
-        self.device = arguments.resolve_device(device)
         self._device_type = self.device.type  # read per batch: torch.device.type builds a new str
         self.seed = seed if seed is not None else random.randrange(2**31)
         checkpoint.seed_everything(self.seed)

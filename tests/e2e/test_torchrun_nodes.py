@@ -22,7 +22,7 @@ import pytest
 import torch
 from helpers.ddp_train import weights_digest
 from helpers.netns import Network
-from helpers.ranks import drain, wait_for_run
+from helpers.ranks import drain, torchrun_command, wait_for_run
 
 from offloop.bus import ControlClient, Subscriber
 from offloop.bus.security import load_client_keys
@@ -40,11 +40,6 @@ _CANNOT = Network.skip_reason()
 pytestmark = pytest.mark.skipif(_CANNOT is not None, reason=_CANNOT or "")
 
 
-def torchrun() -> list[str]:
-    script = Path(sys.executable).parent / "torchrun"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
-
-
 class TwoNodes:
     """One torchrun per node; JSON lines from each node's rank, read with deadlines."""
 
@@ -55,7 +50,7 @@ class TwoNodes:
         self._buffers = [b"", b""]
         for rank, node in enumerate(NODES):
             err = tmp / f"{name}-{node}.stderr"
-            cmd = [*torchrun(), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
+            cmd = [*torchrun_command(), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{net.addr['node0']}:{port}",
                    "--rdzv-id", name, "--local-addr", net.addr[node],
                    # the rendezvous store's host is node 0: its hostname names no address of a namespace

@@ -1,4 +1,5 @@
-"""A tiny deterministic DDP job, meant to be launched by torchrun (gloo, CPU).
+"""A tiny deterministic DDP job, meant to be launched by torchrun (gloo, CPU, also on a machine
+with GPUs; --device names another, as the Trainer's `device` does).
 
 Each rank prints JSON lines: {"started": rank, "pid": ...} once its Trainer exists;
 {"blocked": N, "rank": 0} when --block-at N holds rank 0 before it loads batch N
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from offloop.trainer import Trainer, distributed
+from offloop.trainer import Trainer, arguments, distributed
 
 BATCH_SIZE = 4
 SAMPLES = 64  # 32 per rank: 8 batches per epoch on each of 2 ranks
@@ -70,9 +71,11 @@ def main() -> None:
     parser.add_argument("--gate-timeout", type=float, default=30.0)
     parser.add_argument("--host", default="127.0.0.1", help="the address this rank's sockets bind")
     parser.add_argument("--keys", help="CURVE keys folder (needed beyond loopback)")
+    parser.add_argument("--device", default="cpu", help="the Trainer's device argument")
     args = parser.parse_args()
 
-    distributed.init_from_env()  # the sampler needs the process group; Trainer then reuses it
+    # the sampler needs the process group; Trainer then reuses it (and resolves the same device)
+    distributed.init_from_env(arguments.resolve_device(args.device, distributed.local_rank()))
     rank = distributed.rank()
     holder = {}
 
@@ -101,7 +104,7 @@ def main() -> None:
     # another rank's RNG state would not match the uninterrupted run
     trainer = Trainer(model, loader, args.max_duration, loss_fn=nn.functional.cross_entropy,
                       optimizers=optimizer, seed=7 + rank, run_dir=args.run_dir, load_path=args.load_path,
-                      heartbeat_interval=0.2, host=args.host, keys=args.keys)
+                      heartbeat_interval=0.2, host=args.host, keys=args.keys, device=args.device)
     holder["trainer"] = trainer
     say(started=rank, pid=os.getpid(), world_size=trainer.world_size,
         resumed_at=trainer.timestamp.batch)

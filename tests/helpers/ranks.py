@@ -3,11 +3,19 @@ its run.json once rank 0 has written it, and every rank's events to the end."""
 
 from __future__ import annotations
 
+import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from offloop.bus import RunNotFound, Subscriber, find_run
+
+
+def torchrun_command() -> list[str]:
+    """This interpreter's torchrun (the one beside it), or its module where none is."""
+    script = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "torch.distributed.run"]
 
 
 def wait_for_run(run_dir: str | Path, timeout: float, *, exited: Callable[[], int | None] = lambda: None,

@@ -21,10 +21,11 @@ STEPS = 8  # 64 samples in batches of 8, one epoch
 
 
 def _trainer(tmp_path, algorithms, name="run", **kw):
+    """On the CPU, where the hand-written loop it is compared with runs, GPU or not."""
     model = _no_dropout(mlp(seed=3))  # the hand-written loop draws no random numbers either
     return Trainer(model, loader(64, 8, shuffle=False), kw.pop("max_duration", "1ep"), loss_fn=F.cross_entropy,
                    optimizers=kw.pop("optimizer", None), algorithms=algorithms, run_dir=tmp_path / name,
-                   seed=1, publish=kw.pop("publish", False), **kw)
+                   seed=1, publish=kw.pop("publish", False), device="cpu", **kw)
 
 
 def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:

@@ -87,7 +87,7 @@ def test_a_composer_model_is_evaluated_with_its_own_metrics_and_update_metric(tm
         results = trainer.eval()["eval"]
     x, y = next(iter(loader(32, 32, shuffle=False)))
     with torch.no_grad():
-        expected = (model.model.eval()(x).argmax(dim=1) == y).float().mean().item()
+        expected = (model.model.cpu().eval()(x).argmax(dim=1) == y).float().mean().item()
     assert results["MulticlassAccuracy"] == pytest.approx(expected)
     assert "loss" in results
 

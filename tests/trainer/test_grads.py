@@ -59,9 +59,10 @@ def hand_written(data, make_opt=sgd) -> tuple[nn.Module, list[float]]:
 
 
 def train(tmp_path, data, make_opt=sgd, model=None, **kwargs) -> tuple[Trainer, list]:
+    """On the CPU, GPU or not: the buffer is adopted for CPU parameters only."""
     model = model or SometimesUnused()
     trainer = Trainer(model, data, f"{len(data)}ba", loss_fn=F.cross_entropy, optimizers=make_opt(model),
-                      publish=False, run_dir=tmp_path / "run", seed=1, **kwargs)
+                      publish=False, run_dir=tmp_path / "run", seed=1, device="cpu", **kwargs)
     seen = []  # (grad_norm the trainer published, which parameters had a gradient)
     original = trainer.emitter.snapshot
 

@@ -12,10 +12,8 @@ from __future__ import annotations
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import pytest
 import torch
 from common import ask
 from helpers.ddp_train import weights_digest  # the digest the ranks print
-from helpers.ranks import drain, wait_for_run
+from helpers.ranks import drain, torchrun_command, wait_for_run
 
 from offloop.bus import Subscriber, find_run
 
@@ -33,11 +31,6 @@ BLOCK_AT = 10  # rank 0 is held before loading batch 10: epoch 1, 2 batches in (
 STEP = BLOCK_AT + 1  # requests queued while batch 10 loads are applied after it
 DURATION = "3ep"  # 24 batches
 TOPICS = ["batch_end", "control_request", "checkpoint_saved", "fit_end"]
-
-
-def torchrun_command() -> list[str]:
-    script = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    return [script] if script else [sys.executable, "-m", "torch.distributed.run"]
 
 
 class Torchrun:

@@ -1,10 +1,16 @@
-"""On CUDA, publishing adds no host-device synchronisation (skipped without a GPU)."""
+"""On CUDA: publishing adds no host-device synchronisation, and under torchrun each rank
+trains on its own GPU (skipped without a GPU)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 from common import mlp
+from helpers.ranks import torchrun_command
 
 from offloop.bus import GRAD_NORMS, RUN_TOPICS, Subscriber
 from offloop.trainer import Trainer
@@ -120,3 +126,18 @@ def test_a_tensor_in_several_snapshots_is_staged_once_and_an_in_place_change_is_
         assert got[2].data["other"].to_torch().tolist() == [1.0, 1.0]
     finally:
         publisher.close(linger=0.1)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() != 1, reason="needs a node with exactly one GPU")
+def test_two_ranks_on_a_one_gpu_node_are_told_what_to_change(tmp_path):
+    """Each rank trains on its own GPU (cuda:LOCAL_RANK); the rank without one gets one clear
+    error, not NCCL's "invalid usage" from two ranks sharing GPU 0."""
+    root = Path(__file__).resolve().parents[2]
+    cmd = [*torchrun_command(), "--standalone", "--nproc_per_node=2", str(root / "tests" / "helpers" / "ddp_train.py"),
+           "--run-dir", str(tmp_path / "run"), "--max-duration", "2ba", "--device", "auto"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "PYTHONPATH": str(root), "OFFLOOP_RUNS": str(tmp_path)})
+    assert done.returncode != 0
+    assert ("ConfigError: device 'auto' gives each rank its own GPU, cuda:LOCAL_RANK, but this rank's LOCAL_RANK "
+            "is 1 and this machine has 1 CUDA device(s)") in done.stderr, done.stderr[-4000:]
+    assert "invalid usage" not in done.stderr

@@ -11,6 +11,7 @@ from common import loader, mlp
 from torch import nn
 
 from offloop.trainer import CheckpointError, ConfigError, Trainer, TrainerError
+from offloop.trainer.arguments import resolve_device
 
 F = torch.nn.functional
 
@@ -47,7 +48,8 @@ def test_batch_of_the_wrong_form_is_named_and_nothing_is_trained(tmp_path):
     trainer = make(model=model, train_dataloader=batches, run_dir=tmp_path)
     with pytest.raises(TrainerError, match=r"\(input, target\) pair; got a dict with keys \['x', 'y'\]"):
         trainer.fit()
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # on a GPU machine the Trainer moved the model to the GPU (Composer's default device)
+    assert all(torch.equal(before[k], v.cpu()) for k, v in model.state_dict().items())
 
 
 def test_missing_load_path_is_a_clear_error(tmp_path):
@@ -63,6 +65,21 @@ def test_unknown_device_is_refused(tmp_path):
             make(device="cuda", run_dir=tmp_path)
         with pytest.raises(ConfigError, match="device 'gpu' was asked for, but this machine has no CUDA device"):
             make(device="gpu", run_dir=tmp_path)  # Composer's name for the CUDA device
+
+
+def test_under_torchrun_each_rank_trains_on_its_own_gpu_and_a_rank_without_one_is_named():
+    # resolve_device is told how many GPUs there are, so this runs on any machine; the
+    # GPU test launches two ranks on a one-GPU node for real
+    assert resolve_device("auto", local_rank=1, cuda_devices=2) == torch.device("cuda", 1)
+    assert resolve_device("gpu", local_rank=1, cuda_devices=2) == torch.device("cuda", 1)
+    assert resolve_device("cuda", local_rank=0, cuda_devices=2) == torch.device("cuda", 0)
+    assert resolve_device("cuda:0", local_rank=1, cuda_devices=2) == torch.device("cuda", 0)  # as asked
+    assert resolve_device("cpu", local_rank=1, cuda_devices=2) == torch.device("cpu")
+    assert resolve_device("auto", local_rank=1, cuda_devices=0) == torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"device 'auto' gives each rank its own GPU, cuda:LOCAL_RANK, but this "
+                                          r"rank's LOCAL_RANK is 2 and this machine has 2 CUDA device\(s\): start "
+                                          r"at most 2 process\(es\) per node, or pass device='cpu'"):
+        resolve_device("auto", local_rank=2, cuda_devices=2)
 
 
 def test_bad_precision_and_grad_accum(tmp_path):
