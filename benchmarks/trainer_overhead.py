@@ -35,7 +35,9 @@ reported with each case.
 
 The cases take turns in short blocks (250 steps by default, about 70 ms here; 40 steps,
 about 100 ms, for the large MLP): one block of each case, again and again, so every
-ratio compares blocks run tens of milliseconds apart. Each Trainer of (b) and (c) is built
+ratio compares blocks run tens of milliseconds apart. The order turns round every other
+round (a, b, c, ... then ..., c, b, a), so no case always runs after the same one and
+inherits what that one leaves behind (a worker still decoding, a colder cache). Each Trainer of (b) and (c) is built
 once, with its worker, and trains each block with `fit(duration=...)` to 250 more
 batches; (d) and (e) get a fresh Trainer and workers for every block, ended after it,
 because their workers stay busy with a backlog and would otherwise load the machine
@@ -342,7 +344,7 @@ def main() -> None:
     }
     blocks: dict[str, list[list[float]]] = {case: [] for case in loops}
     for b in range(args.blocks + 1):  # block 0 of each case warms it up and is not kept
-        for case, loop in loops.items():
+        for case, loop in (loops.items() if b % 2 == 0 else reversed(loops.items())):
             steps, warmup = ((args.large_steps, args.large_warmup) if case.endswith("_large")
                              else (args.steps, args.warmup))
             kept = loop.run(steps, warmup)
