@@ -238,8 +238,9 @@ def main() -> None:
             summary[f"ratio_{name}_block_median"] = round(statistics.median(per_block), 3)
     summary["offloop_vs_tb_wandb_mean"] = round(lines["offloop"]["step_mean_us"] / lines["tb_wandb"]["step_mean_us"], 3)
     summary["target"] = {"ratio_offloop_mean": TARGET, "met": summary["ratio_offloop_mean"] <= TARGET}
-    summary |= {"rounds": args.rounds, "epochs_per_block": args.block, "quiet_wait_s_median": round(
-        statistics.median(waited), 2), "quiet_wait_s_max": round(max(waited), 2), "batches_per_epoch": args.batches, "eval_batches": EVAL_BATCHES,
+    summary |= {"rounds": args.rounds, "epochs_per_block": args.block,
+                "quiet_wait_s_median": round(statistics.median(waited), 2), "quiet_wait_s_max": round(max(waited), 2),
+                "batches_per_epoch": args.batches, "eval_batches": EVAL_BATCHES,
                 "torch": torch.__version__, "threads": torch.get_num_threads()}
     print(json.dumps(summary))
 

@@ -37,12 +37,12 @@ The cases take turns in short blocks (250 steps by default, about 70 ms here; 40
 about 100 ms, for the large MLP): one block of each case, again and again, so every
 ratio compares blocks run tens of milliseconds apart. The order turns round every other
 round (a, b, c, ... then ..., c, b, a), so no case always runs after the same one and
-inherits what that one leaves behind (a worker still decoding, a colder cache). Each Trainer of (b) and (c) is built
-once, with its worker, and trains each block with `fit(duration=...)` to 250 more
-batches; (d) and (e) get a fresh Trainer and workers for every block, ended after it,
-because their workers stay busy with a backlog and would otherwise load the machine
-while the other cases run (they did: c/a on the large MLP read 1.09 instead of 1.05). The
-first steps of every block are discarded as warm-up, and a short pause between blocks
+inherits what that one leaves behind (a worker still decoding, a colder cache). Each
+Trainer of (b) and (c) is built once, with its worker, and trains each block with
+`fit(duration=...)` to 250 more batches; (d) and (e) get a fresh Trainer and workers for
+every block, ended after it, because their workers stay busy with a backlog and would
+otherwise load the machine while the other cases run (they did: c/a on the large MLP read
+1.09 instead of 1.05). The first steps of every block are discarded as warm-up, and a short pause between blocks
 lets a worker finish the events of the block before. Trainer construction, worker
 start-up and close() are outside the timed spans.
 
