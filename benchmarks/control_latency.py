@@ -14,6 +14,12 @@ decisions cost the loop.
                         callback's hand; the same with the cores idle
   async_batches_late    batches between the one the callback judged and the halt (median):
                         the event's own trip to the worker (bursts) included
+  slow_logger_wait_p50_ms, slow_logger_wait_max_ms
+                        the boundary case's waits with a logger destination beside the
+                        callbacks that takes 20 ms a call (a tracking server 20 ms away):
+                        the worker calls its destinations on a thread of their own, so
+                        the loop waits as it does without one (no target; before that
+                        thread, each wait took the worker's backlog of logging calls)
   cli_halt_roundtrip_ms `offloop halt RUN` as a user types it, interpreter start included
   exact_stop            Composer's EarlyStopper example (patience 2, a metric that never
                         improves, 4 batches an epoch, an eval each epoch) stops at batch 16
@@ -42,6 +48,7 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 
+from offloop.loggers import LoggerDestination
 from offloop.trainer import Trainer
 from offloop.workers import Callback
 from offloop.workers.callbacks import EarlyStopper
@@ -88,22 +95,33 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def boundary_waits(root: Path, epochs: int) -> dict:
+class RemoteTracker(LoggerDestination):
+    """A tracking server SECONDS away: every call takes that long."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def log_metrics(self, metrics, step) -> None:
+        time.sleep(self.seconds)
+
+
+def boundary_waits(root: Path, epochs: int, part: str = "boundary", loggers: list | None = None) -> dict:
     """The demo's callbacks on the tiny model with an eval each epoch, no halt (patience
     longer than the run): every wait at eval_end and epoch_checkpoint."""
-    run_dir = root / "boundary"
+    run_dir = root / part
     callbacks = demo_callbacks(run_dir)
     callbacks[2] = EarlyStopper(monitor="MulticlassAccuracy", dataloader_label="eval", patience=epochs + 1)
     trainer = tiny_trainer(run_dir / "run", callbacks, max_duration=f"{epochs}ep",
                            eval_dataloader=[(torch.randn(32, 64), torch.randint(0, 10, (32,)))],
-                           eval_metrics=torchmetrics.classification.MulticlassAccuracy(num_classes=10))
+                           eval_metrics=torchmetrics.classification.MulticlassAccuracy(num_classes=10),
+                           loggers=loggers)
     with trainer:
         trainer.fit()
     waits = [(w - s) * 1e3 for w, s in zip(trainer._decisions.waits, trainer._decisions.served, strict=True)]
     served = [s * 1e3 for s in trainer._decisions.served]
-    return {"part": "boundary", "waits": len(waits), "wait_p50_ms": round(statistics.median(waits), 3),
+    return {"part": part, "waits": len(waits), "wait_p50_ms": round(statistics.median(waits), 3),
             "wait_mean_ms": round(statistics.fmean(waits), 3), "wait_p90_ms": round(percentile(waits, 0.9), 3),
-            "serve_p50_ms": round(statistics.median(served), 3)}
+            "wait_max_ms": round(max(waits), 3), "serve_p50_ms": round(statistics.median(served), 3)}
 
 
 def async_halts(root: Path, halts: int, busy: bool) -> dict:
@@ -211,16 +229,19 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="offloop-bench-control-"))
     os.environ.setdefault("OFFLOOP_RUNS", str(root / "runs"))
     try:
-        parts = [boundary_waits(root, args.epochs), async_halts(root, args.halts, busy=False),
+        parts = [boundary_waits(root, args.epochs),
+                 boundary_waits(root, args.epochs, "slow_logger", loggers=[RemoteTracker(0.02)]),
+                 async_halts(root, args.halts, busy=False),
                  async_halts(root, args.halts, busy=True), cli_halt(root), exact_stop(root)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for part in parts:
         print(json.dumps(part), flush=True)
-    boundary, idle, busy, cli, exact = parts
+    boundary, slow_logger, idle, busy, cli, exact = parts
     summary = {
         "boundary_wait_p50_ms": boundary["wait_p50_ms"], "boundary_wait_mean_ms": boundary["wait_mean_ms"],
         "boundary_serve_p50_ms": boundary["serve_p50_ms"],
+        "slow_logger_wait_p50_ms": slow_logger["wait_p50_ms"], "slow_logger_wait_max_ms": slow_logger["wait_max_ms"],
         "async_p50_ms": busy["effect_ms"]["p50"], "async_p99_ms": busy["effect_ms"]["p99"],
         "async_mean_ms": busy["effect_ms"]["mean"], "async_to_inbox_p50_ms": busy["to_inbox_ms"]["p50"],
         "async_ack_in_hand_p50_ms": busy["ack_in_hand_ms"]["p50"], "async_batches_late": busy["batches_late_median"],

@@ -98,6 +98,8 @@ class _Worker:
         self.name = "+".join(self.names + (["loggers"] if loggers else []))
         self.ready = False
         self.fits_seen = 0  # the number of the last fit whose fit_end it has handled
+        self.fits_delivered = 0  # ... and whose loggers' calls up to it are all made
+        self.logs = 0  # its loggers' calls not made yet, as it last reported
         self.reported_dead = False
         self.gone = False  # its exit has been handled (reported, restarted, or a clean end)
         self.restarts = 0
@@ -117,6 +119,9 @@ class _Worker:
     def behind(self, batch: int) -> str:
         """How far behind the trainer's `batch` it is, and for how long at its pace."""
         late = max(0, batch - self.batch)
+        if not late and self.fits_seen > self.fits_delivered:
+            return (f"at batch {self.batch} of {batch}, its loggers with {self.logs} calls still to make "
+                    "(a destination slower than training)")
         if not self.pace:
             return f"at batch {self.batch} of {batch} ({late} behind; its pace is not known yet)"
         return (f"at batch {self.batch} of {batch} ({late} behind: about {late / self.pace:.0f}s "
@@ -261,8 +266,11 @@ class CallbackWorkers:
             elif kind == "answer":
                 worker.answered = max(worker.answered, int(payload))
                 self._changed.notify_all()
+            elif kind == "delivered":
+                worker.fits_delivered = max(worker.fits_delivered, int(payload.get("fit") or 1))
             elif kind == "progress":
                 worker.note_progress(int(payload.get("batch") or 0), time.monotonic())
+                worker.logs = int(payload.get("logs") or 0)
             elif kind == "error":
                 index, worker.error = payload
                 worker.error_of = worker.names[index] if index is not None else worker.name
@@ -325,16 +333,17 @@ class CallbackWorkers:
                          shared_only: bool = False,
                          waiting: str = "close() waits up to {:g}s for it (worker_shutdown_timeout)") -> None:
         """Give every live worker (the shared one alone, with `shared_only`) until `timeout`
-        to report it has handled the last fit_end (of `self.fits`); `while_waiting` runs
-        meanwhile (the trainer answers late control requests). A worker still busy after a
-        second is logged once, with how far behind the trainer's `batch` it is and how long
-        that will take at its pace."""
+        to report it has handled the last fit_end (of `self.fits`) and, but with
+        `shared_only` (the progress bars' wait), that its loggers have made every call up to
+        it; `while_waiting` runs meanwhile (the trainer answers late control requests). A
+        worker still busy after a second is logged once, with how far behind the trainer's
+        `batch` it is and how long that will take at its pace."""
         started = time.monotonic()
         deadline, told = started + timeout, set()
         workers = self.workers[:1] if shared_only else self.workers
         while time.monotonic() < deadline:
             with self._lock:
-                pending = [w for w in workers if w.process.is_alive() and w.fits_seen < self.fits]
+                pending = [w for w in workers if w.process.is_alive() and self._behind(w, shared_only)]
             if not pending:
                 return
             if time.monotonic() - started >= 1.0:
@@ -347,9 +356,15 @@ class CallbackWorkers:
                 while_waiting()
             time.sleep(0.02)
         for worker in workers:
-            if worker.process.is_alive() and worker.fits_seen < self.fits:
-                log.warning("offloop: callback worker %s had not handled fit_end after %.0fs",
-                            worker.name, timeout)
+            if worker.process.is_alive() and self._behind(worker, shared_only):
+                log.warning("offloop: callback worker %s had not %s after %.0fs", worker.name,
+                            "handled fit_end" if worker.fits_seen < self.fits else "logged everything up to fit_end",
+                            timeout)
+
+    def _behind(self, worker: _Worker, callbacks_only: bool = False) -> bool:
+        """It has not handled the last fit_end or (but with `callbacks_only`) its loggers have
+        calls before it still to make."""
+        return worker.fits_seen < self.fits or not callbacks_only and worker.fits_delivered < self.fits
 
     def stop(self, timeout: float = 10.0) -> None:
         """After the stream has closed: let workers exit, then end the ones that do not. A
@@ -359,7 +374,7 @@ class CallbackWorkers:
         self._stop.set()
         deadline = time.monotonic() + timeout
         for worker in self.workers:
-            behind = self.fits and worker.fits_seen < self.fits
+            behind = self.fits and self._behind(worker)
             worker.process.join(timeout=0.0 if behind else max(0.0, deadline - time.monotonic()))
             if worker.process.is_alive():
                 log.warning("offloop: callback worker %s %s; terminating it", worker.name,

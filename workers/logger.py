@@ -17,6 +17,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from offloop.workers.deliveries import Deliveries
+
 __all__ = ["MissingExtraError", "Logger", "LoggerDestination", "ConsoleLogger", "JSONLLogger", "TensorBoardLogger",
            "TensorboardLogger", "FileLogger"]
 
@@ -291,10 +293,14 @@ class Logger:
     that logs them, reach each destination as one call when the worker has handled the
     event (`commit()`): one `run.log` a step for wandb, not one per callback. A name
     logged again at the same step, or anything else logged, first commits what is
-    pending: every value arrives, and destinations see steps in order."""
+    pending: every value arrives, and destinations see steps in order.
+
+    With `background=True` (what a worker uses too) the destinations are called on a
+    thread of their own (workers/deliveries.py), so a slow one never holds up the
+    callbacks; values are read when logged, and `close()` waits until every call is made."""
 
     def __init__(self, state, destinations: list[LoggerDestination] | None = None,
-                 coalesce: bool = False) -> None:
+                 coalesce: bool = False, background: bool = False) -> None:
         self._state = state
         self.destinations = list(destinations if destinations is not None else [ConsoleLogger()])
         #: destinations left out after raising, by class name: how many calls each missed
@@ -302,6 +308,32 @@ class Logger:
         self._broken: set[int] = set()
         self._coalesce = coalesce
         self._pending: dict[int, dict[str, Any]] = {}
+        self._deliveries = Deliveries(self._deliver) if background else None
+
+    @property
+    def dropped(self) -> int:
+        """log_* calls dropped because too many waited for the destinations (background only)."""
+        return self._deliveries.dropped if self._deliveries is not None else 0
+
+    @property
+    def queued(self) -> int:
+        """Calls not yet made by the destinations (background only)."""
+        return self._deliveries.queued if self._deliveries is not None else 0
+
+    def after_delivered(self, then) -> None:
+        """Call `then()` once every call so far has reached the destinations (at once,
+        here, when not in the background; else on the delivering thread)."""
+        self.commit()
+        if self._deliveries is None:
+            then()
+        else:
+            self._deliveries.after(then)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until every call so far has reached the destinations; False if `timeout` passed
+        first. Only a background Logger ever waits."""
+        self.commit()
+        return self._deliveries.wait(timeout) if self._deliveries is not None else True
 
     def commit(self) -> None:
         """Send the metrics pending from coalesced log_metrics() calls, step by step."""
@@ -313,6 +345,12 @@ class Logger:
     def _each(self, method: str, *args: Any) -> None:
         if self._pending and method != "log_metrics":
             self.commit()
+        if self._deliveries is None:
+            self._deliver(method, args)
+        else:
+            self._deliveries.put(method, args)
+
+    def _deliver(self, method: str, args: tuple) -> None:
         for index, dest in enumerate(self.destinations):
             name = type(dest).__name__
             if index in self._broken:
@@ -338,9 +376,11 @@ class Logger:
                 pending = None
             if pending is None:
                 pending = self._pending[step] = {}
-            pending.update(metrics)
-        else:
+            pending.update(metrics if self._deliveries is None else _values_now(metrics))
+        elif self._deliveries is None:
             self._each("log_metrics", dict(metrics), step)
+        else:
+            self._each("log_metrics", _values_now(metrics), step)
 
     def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
         self._each("log_hyperparameters", dict(hparams))
@@ -353,7 +393,10 @@ class Logger:
         """Composer's `log_images`: a tensor or array of one image (CHW, HWC with
         `channels_last`, or HW) or a batch (NCHW / NHWC), or a list of them."""
         step = self._state.timestamp.batch if step is None else step
-        self._each("log_images", as_hwc_images(images, channels_last), name, step)
+        images = as_hwc_images(images, channels_last)
+        if self._deliveries is not None:  # made later: a caller may reuse its array meanwhile
+            images = [np.array(image) for image in images]
+        self._each("log_images", images, name, step)
 
     def log_table(self, columns: list[str], rows: list[list[Any]], name: str = "Table",
                   step: int | None = None) -> None:
@@ -371,6 +414,14 @@ class Logger:
 
     def close(self) -> None:
         self._each("close")
+        if self._deliveries is not None:
+            self._deliveries.close()
+
+
+def _values_now(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The metrics as they are now, for a destination called later: 0-d tensors and numpy
+    numbers read at once (a callback may update a running tensor in place)."""
+    return {key: _scalar(value) for key, value in metrics.items()}
 
 
 def as_hwc_images(images: Any, channels_last: bool = False) -> list[np.ndarray]:

@@ -20,6 +20,7 @@ import traceback
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from offloop.bus import (
@@ -54,11 +55,12 @@ class WorkerStats:
     events: int = 0
     gaps: int = 0
     errors: int = 0
+    logger_drops: int = 0  # log_* calls dropped: too many waited for the destinations
     seconds: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
 
     def as_dict(self) -> dict[str, Any]:
         return {"events": self.events, "gaps": self.gaps, "errors": self.errors,
-                "seconds": {k: dict(v) for k, v in self.seconds.items()}}
+                "logger_drops": self.logger_drops, "seconds": {k: dict(v) for k, v in self.seconds.items()}}
 
 
 class Worker:
@@ -100,7 +102,9 @@ class Worker:
         self._gaps_at_silence = self._resyncs_at_silence = 0
         self.name = name or "+".join(type(c).__name__ for c in self.callbacks) or "worker"
         self.state = State()
-        self.logger = Logger(self.state, destinations, coalesce=True)
+        # destinations on a thread of their own: a slow one never holds up an event, nor so
+        # the trainer where it awaits this worker's decision
+        self.logger = Logger(self.state, destinations, coalesce=True, background=True)
         self.stats = WorkerStats()
         self.disabled: set[int] = set()
         self.exit_message = ""
@@ -165,12 +169,15 @@ class Worker:
 
     def run(self, on_fit_end: Callable[[dict], None] | None = None,
             on_progress: Callable[[dict], None] | None = None,
-            on_answer: Callable[[int], None] | None = None) -> int:
+            on_answer: Callable[[int], None] | None = None,
+            on_delivered: Callable[[dict], None] | None = None) -> int:
         """Dispatch events until the run ends; returns 0, or 3 if the trainer fell silent.
-        `on_progress` gets {"batch", "events"} about once a second: the trainer that started
-        this worker tells from it how far behind the worker is when the run ends.
+        `on_progress` gets {"batch", "events", "logs"} about once a second: the trainer that
+        started this worker tells from it how far behind the worker (and its loggers: the
+        calls they have still to make) is when the run ends.
         `on_answer` gets the id of each event the trainer awaits from this worker (AWAITS),
-        once its callbacks have handled it."""
+        once its callbacks have handled it. `on_delivered` gets {"fit"} once the loggers
+        have made every call up to that fit's end (from the delivering thread)."""
         self._on_answer = on_answer
         if self._sub is None:
             self.connect()
@@ -179,7 +186,8 @@ class Worker:
         try:
             while True:
                 if on_progress is not None and time.monotonic() >= next_progress:
-                    on_progress({"batch": self.state.timestamp.batch, "events": self.stats.events})
+                    on_progress({"batch": self.state.timestamp.batch, "events": self.stats.events,
+                                 "logs": self.logger.queued})
                     next_progress = time.monotonic() + PROGRESS_EVERY
                 msg = self._sub.recv(timeout=1.0)
                 if self._sub.stats.silences != self._heals_reported:
@@ -196,7 +204,10 @@ class Worker:
                 else:
                     ended = self.dispatch(msg) is Event.FIT_END
                 if ended and on_fit_end is not None:  # which fit of the run: a Trainer may fit() again
+                    self.stats.logger_drops = self.logger.dropped
                     on_fit_end({**self.stats.as_dict(), "fit": msg.data.get("fit")})
+                if ended and on_delivered is not None:
+                    self.logger.after_delivered(partial(on_delivered, {"fit": msg.data.get("fit")}))
                 if ended and self.exit_on_fit_end and not msg.from_state:
                     self.exit_message = f"run {self.info.run_name} reached fit_end"
                     break
@@ -340,6 +351,7 @@ class Worker:
                 print(f"offloop worker: {type(callback).__name__}.post_close raised\n"
                       f"{traceback.format_exc()}", file=sys.stderr, flush=True)
         self.logger.close()
+        self.stats.logger_drops = self.logger.dropped
         if self._sub is not None:
             self.stats.gaps = self._sub.stats.gaps
             self._sub.close()
@@ -423,15 +435,19 @@ def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: ClientKey
     threading.Thread(target=_exit_with_trainer, args=(conn, grace, worker.name), daemon=True,
                      name="offloop-trainer-watch").start()
 
+    telling = threading.Lock()  # the loggers' thread tells "delivered"
+
     def tell(kind: str, payload: dict) -> None:
         try:
-            conn.send((kind, payload))
+            with telling:
+                conn.send((kind, payload))
         except OSError:  # the trainer is gone: its silence ends this worker (heartbeat timeout)
             pass
 
     code = worker.run(on_fit_end=lambda stats: tell("fit_end", stats),
                       on_progress=lambda progress: tell("progress", progress),
-                      on_answer=lambda answer: tell("answer", answer))
+                      on_answer=lambda answer: tell("answer", answer),
+                      on_delivered=lambda fit: tell("delivered", fit))
     if worker.exit_message and code:
         print(f"offloop worker {worker.name}: {worker.exit_message}", file=sys.stderr, flush=True)
     conn.close()

@@ -5,7 +5,9 @@ what callbacks log, and are read back from their real files."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import pytest
 import torch
@@ -170,6 +172,53 @@ def test_a_destination_that_raises_is_left_out_and_the_others_get_everything(tmp
     assert steps == list(range(1, 9))
     err = capfd.readouterr().err
     assert err.count("offloop logger: Breaks.log_metrics raised OSError('disk full')") == 1
+
+
+class Stalls(LoggerDestination):
+    """A tracking server that stops answering: each call waits until `gate` exists (60 s at
+    most), then writes down its step."""
+
+    def __init__(self, gate, out) -> None:
+        self.gate, self.out = str(gate), str(out)
+
+    def log_metrics(self, metrics, step) -> None:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with open(self.out, "a") as out:
+            out.write(json.dumps({"step": step, "names": sorted(metrics)}) + "\n")
+
+
+def test_a_stalled_logger_holds_up_no_decision_of_its_worker_and_gets_everything_later(tmp_path):
+    gate, out, folder = tmp_path / "gate", tmp_path / "delivered.jsonl", tmp_path / "checkpoints"
+    torch.manual_seed(0)
+    # the CheckpointSaver that save_folder starts shares the loggers' worker, and the loop
+    # waits for its decision at each epoch's checkpoint event
+    with Trainer(Logs(), loader(32, 8, shuffle=False), "2ep", loss_fn=F.cross_entropy,
+                 eval_dataloader=loader(16, 8, shuffle=False), loggers=[Stalls(gate, out)],
+                 save_folder=str(folder), save_interval="1ep", decision_timeout=20,
+                 run_dir=tmp_path / "run", run_name="stalled", seed=1) as trainer:
+        trainer.fit()
+        assert [worker.name for worker in trainer.workers.workers] == ["loggers"]
+        assert sorted(path.name for path in folder.glob("ep*.pt")) == ["ep1-ba4-rank0.pt", "ep2-ba8-rank0.pt"]
+        assert not out.exists(), "the loop waited for a logger"
+        gate.touch()
+    records = [json.loads(line) for line in out.read_text().splitlines()]  # close() let it finish
+    assert [r["step"] for r in records if "loss/train/total" in r["names"]] == list(range(1, 9))
+    assert [r["step"] for r in records if "metrics/eval/loss" in r["names"]] == [4, 8]
+
+
+def test_close_waits_for_a_stalled_loggers_calls_and_says_so_when_it_gives_up(tmp_path, caplog):
+    gate, out = tmp_path / "gate", tmp_path / "delivered.jsonl"  # the gate never opens
+    torch.manual_seed(0)
+    with Trainer(Logs(), loader(32, 8, shuffle=False), "1ep", loss_fn=F.cross_entropy,
+                 loggers=[Stalls(gate, out)], worker_shutdown_timeout=3, run_dir=tmp_path / "run",
+                 seed=1) as trainer:
+        trainer.fit()
+    assert "callback worker loggers is at batch 4 of 4, its loggers with" in caplog.text
+    assert "calls still to make (a destination slower than training)" in caplog.text
+    assert "callback worker loggers had not logged everything up to fit_end after 3s" in caplog.text
+    assert not out.exists()
 
 
 def test_tensorboard_gets_images_from_log_images(tmp_path):

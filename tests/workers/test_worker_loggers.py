@@ -78,6 +78,7 @@ def test_a_steps_metrics_reach_a_destination_in_one_call_and_none_is_lost():
                     [Logs({"a": 1}, {"b": 2}), Logs({"a": 3}, "note", {"c": 4})], destinations=[calls])
     for seq, batch in enumerate((1, 2)):
         worker.dispatch(Message("batch_end", "ev", "r", "p", 0, seq, seq, 1.0, (0, batch, batch, 8, 0), {}))
+    assert worker.logger.wait(timeout=10)  # the destinations are called on a thread of their own
     assert calls.calls == [
         (1, {"a": 1, "b": 2}),  # two calls of one step: one
         (1, {"a": 3}), "note", (1, {"c": 4}),  # "a" again: sent apart; text keeps its place

@@ -211,6 +211,7 @@ def dispatch(callbacks, messages) -> MemoryLog:
     worker = Worker(info, callbacks, destinations=[log])
     for seq, (topic, t, ts, data) in enumerate(messages):
         worker.dispatch(Message(topic, "ev", "r", "p", 0, seq, seq, t, ts, data))
+    assert worker.logger.wait(timeout=10)  # the destinations are called on a thread of their own
     return log
 
 
