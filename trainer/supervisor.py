@@ -116,12 +116,13 @@ class _Worker:
             self.pace = max(0.0, (batch - self.batch) / (now - self._reported_at))
         self.batch, self._reported_at = batch, now
 
-    def behind(self, batch: int) -> str:
-        """How far behind the trainer's `batch` it is, and for how long at its pace."""
+    def behind(self, batch: int, fits: int) -> str:
+        """How far behind the trainer's `batch` (and `fits`-th fit_end) it is, and for how
+        long at its pace; or, its callbacks done, that its loggers are still at work."""
+        if self.fits_seen >= fits:
+            return (f"past fit_end, its loggers still making calls ({self.logs} queued at its last report: "
+                    "a destination slower than training)")
         late = max(0, batch - self.batch)
-        if not late and self.fits_seen > self.fits_delivered:
-            return (f"at batch {self.batch} of {batch}, its loggers with {self.logs} calls still to make "
-                    "(a destination slower than training)")
         if not self.pace:
             return f"at batch {self.batch} of {batch} ({late} behind; its pace is not known yet)"
         return (f"at batch {self.batch} of {batch} ({late} behind: about {late / self.pace:.0f}s "
@@ -263,6 +264,7 @@ class CallbackWorkers:
             elif kind == "fit_end":
                 worker.fits_seen = max(worker.fits_seen, int(payload.get("fit") or 1))
                 worker.report = payload
+                worker.logs = int(payload.get("logs") or 0)
             elif kind == "answer":
                 worker.answered = max(worker.answered, int(payload))
                 self._changed.notify_all()
@@ -350,7 +352,7 @@ class CallbackWorkers:
                 for worker in pending:
                     if id(worker) not in told:
                         told.add(id(worker))
-                        log.warning("offloop: callback worker %s is %s; %s", worker.name, worker.behind(batch),
+                        log.warning("offloop: callback worker %s is %s; %s", worker.name, worker.behind(batch, self.fits),
                                     waiting.format(timeout))
             if while_waiting is not None:
                 while_waiting()

@@ -205,7 +205,7 @@ class Worker:
                     ended = self.dispatch(msg) is Event.FIT_END
                 if ended and on_fit_end is not None:  # which fit of the run: a Trainer may fit() again
                     self.stats.logger_drops = self.logger.dropped
-                    on_fit_end({**self.stats.as_dict(), "fit": msg.data.get("fit")})
+                    on_fit_end({**self.stats.as_dict(), "fit": msg.data.get("fit"), "logs": self.logger.queued})
                 if ended and on_delivered is not None:
                     self.logger.after_delivered(partial(on_delivered, {"fit": msg.data.get("fit")}))
                 if ended and self.exit_on_fit_end and not msg.from_state:
