@@ -92,6 +92,7 @@ TRACKED_BYTES = 4096
 FOLD_AT_MOST = 64
 _STALL_CHECK = 0.05  # seconds: held events older than this (and the interval) leave from the service thread
 _SUBSCRIPTION_SETTLE = 0.01  # seconds; libzmq's max_command_delay is 3M TSC ticks (~1 ms)
+_JOIN_WAIT = 0.5  # seconds a state request waits for its joiner's subscriptions to reach the watcher
 
 
 class Publisher:
@@ -679,12 +680,15 @@ class Publisher:
                 )
         if not joiners:
             return
+        # Each joiner's topics must be in the wanted set before its state is taken, or what
+        # is published after the state would be numbered and not sent (counted lost): its
+        # subscriptions reach the watcher through the proxy, which a busy machine delays.
+        self._await_subscriptions(watcher, [topics for _, topics in joiners])
         # A joiner trusts this state only once it has received the heartbeat sent just
         # before it: it passed the publishing socket's filter, so the joiner's subscriptions
-        # had reached that socket (the proxy writes them to the watcher's pipe in the same
-        # call). Then the wanted set is refreshed, and the publishing socket gets time to
-        # apply them (libzmq applies subscriptions on a send at most once per ~1 ms), so
-        # nothing published after the state is filtered out.
+        # had reached that socket. The publishing socket gets time to apply them (libzmq
+        # applies subscriptions on a send at most once per ~1 ms), so nothing published
+        # after the state is filtered out.
         self._beat()
         self._track_subscriptions(watcher)
         time.sleep(_SUBSCRIPTION_SETTLE)
@@ -693,6 +697,19 @@ class Publisher:
             snapshot = self._state_snapshot()
         for envelope, topics in joiners:
             router.send_multipart([*envelope, *self._state_frames(snapshot, topics)], copy=False)
+
+    def _await_subscriptions(self, watcher: zmq.Socket, joiners: list[list[str] | None]) -> None:
+        """Track subscriptions until every joiner's topics (None: everything, as bursts) are
+        sent, or _JOIN_WAIT has passed (a client that asks for the state without subscribing)."""
+        deadline = time.monotonic() + _JOIN_WAIT
+        while True:
+            self._track_subscriptions(watcher)
+            if all(self._burst if topics is None else self._single.issuperset(topics) for topics in joiners):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            watcher.poll(min(left, 0.05) * 1000)
 
     def _info_for_peer(self) -> dict[str, Any]:
         """run.json for an authorised key; without keys any local account can ask, so only
