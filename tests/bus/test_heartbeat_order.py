@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import time
 
+import zmq
+
 from offloop.bus import Publisher, Subscriber
+from offloop.bus.wire import decode_reply, encode_request, topic_prefix
 
 EVENTS, ROUNDS = 50_000, 4
 
@@ -37,3 +40,27 @@ def test_a_heartbeat_never_overtakes_queued_events_so_nothing_is_counted_lost_or
         sub.close()
         pub.close(linger=0.1)
     assert pub.drops == 0 and sent == ROUNDS * EVENTS
+
+
+def test_a_joiners_state_waits_until_its_topics_are_sent():
+    # The state request arrives before the joiner's subscription: taken at once, its state
+    # would let events published right after it be numbered but not sent (counted lost).
+    pub = Publisher("join-order")
+    endpoints = pub.start()
+    ctx = zmq.Context()
+    dealer, sub = ctx.socket(zmq.DEALER), ctx.socket(zmq.SUB)
+    try:
+        dealer.connect(endpoints["state"])
+        dealer.send(encode_request("state_req", topics=["batch_end"]))
+        assert not dealer.poll(100), "the state was taken before the joiner's topics were sent"
+        sub.subscribe(topic_prefix("batch_end"))
+        sub.connect(endpoints["events"])
+        assert dealer.poll(10_000), "no state once the joiner subscribed"
+        assert decode_reply(dealer.recv_multipart()[0])["k"] == "state"
+        assert pub.publish("batch_end", (0, 1, 1, 8, 0), {"i": 1})  # right after the state: sent
+        assert sub.poll(10_000), "the event published after the state never came"
+    finally:
+        dealer.close(linger=0)
+        sub.close(linger=0)
+        ctx.term()
+        pub.close(linger=0.1)
