@@ -83,10 +83,15 @@ MAX_OPEN_PREFIXES = 64
 #: the largest message a peer may send into the events socket: (un)subscriptions are a
 #: byte and a topic prefix; anything longer is not one
 MAX_SUBSCRIPTION_BYTES = 4096
-#: events messages this large or larger are sent tracked, counted against max_queued_bytes
-#: until libzmq has handed them to every subscriber's connection; smaller ones (a step's
-#: burst is 1-2 KiB) are bounded by the subscriber queue's message count alone
+#: events messages this large or larger are counted against max_queued_bytes until libzmq
+#: has handed them to every subscriber's connection; smaller ones (a step's burst on a
+#: model of real size is 1-2 KiB) are bounded by the subscriber queue's message count alone
 TRACKED_BYTES = 4096
+#: a counted message of one frame (a burst of fast steps) is sent copied, untracked: a tracker
+#: wakes pyzmq's garbage-collector thread, which takes the GIL from the loop (docs/benchmarks.md,
+#: "Bursts sent untracked"). One is tracked whenever this share of max_queued_bytes has gone
+#: untracked, and its tracker stands for those before it: connections take messages in order
+TRACK_SHARE = 64
 #: released bursts kept for the service thread to fold into the late-join state; past this
 #: many the releasing thread folds them itself
 FOLD_AT_MOST = 64
@@ -142,7 +147,10 @@ class Publisher:
         #: `drops` (heartbeats carry it) and in `byte_drops`
         self.max_queued_bytes = max_queued_bytes
         self.byte_drops = 0
+        #: trackers not yet done, each with the bytes it releases (its own and the untracked
+        #: messages sent before it), and the bytes sent untracked since the last tracker
         self._in_flight: deque[tuple[zmq.MessageTracker, int]] = deque()  # under _send_lock
+        self._untracked = 0
         self.queued_bytes = 0
         for topic in retained:
             _check_topic(topic)
@@ -375,38 +383,62 @@ class Publisher:
     def _send(self, frames: list) -> bool:
         """Send one message; a full queue, or the byte bound, drops and counts it. Under _send_lock."""
         try:
-            if len(frames) == 1 and len(frames[0]) < TRACKED_BYTES:  # the usual message: small, copied
-                self._tx.send(frames[0], zmq.NOBLOCK)
-                return True
-            size = sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
-            if size < TRACKED_BYTES:
-                self._tx.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                return True
+            if len(frames) == 1:
+                size = len(frames[0])
+                if size < TRACKED_BYTES:  # the usual message: small, copied
+                    self._tx.send(frames[0], zmq.NOBLOCK)
+                    return True
+                if self._untracked + size < self.max_queued_bytes // TRACK_SHARE:
+                    return self._send_counted(frames[0], size)
+            else:
+                size = sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+                if size < TRACKED_BYTES:
+                    self._tx.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                    return True
             return self._send_tracked(frames, size)
         except zmq.Again:
             self.drops += 1
             return False
 
+    def _has_room(self, size: int) -> bool:
+        """Whether a counted message of `size` bytes fits under max_queued_bytes, once the
+        messages whose trackers are done are taken off; if not, it is dropped and counted."""
+        in_flight = self._in_flight
+        while in_flight and in_flight[0][0].done:
+            self.queued_bytes -= in_flight.popleft()[1]
+        if self.queued_bytes + size <= self.max_queued_bytes:
+            return True
+        self.drops += 1
+        self.byte_drops += 1
+        if self.byte_drops == 1 or self.byte_drops % 1000 == 0:
+            log.warning("offloop: an events message of %d bytes was dropped (%d so far): %d bytes of "
+                        "messages still wait for a subscriber that is not reading (max_queued_bytes %d)",
+                        size, self.byte_drops, self.queued_bytes, self.max_queued_bytes)
+        return False
+
+    def _send_counted(self, frame: bytes, size: int) -> bool:
+        """A counted message of one frame, copied and untracked: it stays in `queued_bytes`
+        until the next tracked message's tracker is done."""
+        if not self._has_room(size):
+            return False
+        self._tx.send(frame, zmq.NOBLOCK)
+        self.queued_bytes += size
+        self._untracked += size
+        return True
+
     def _send_tracked(self, frames: list, size: int) -> bool:
         """A large message, counted in `queued_bytes` until libzmq lets go of its last frame
         (each subscriber's connection takes a message's frames in order, so the last one is
         released last): by then every subscriber's kernel buffer has it, or its queue
-        dropped it. Libzmq keeps one copy for all subscribers, so this bounds them together."""
-        in_flight = self._in_flight
-        while in_flight and in_flight[0][0].done:
-            self.queued_bytes -= in_flight.popleft()[1]
-        if self.queued_bytes + size > self.max_queued_bytes:
-            self.drops += 1
-            self.byte_drops += 1
-            if self.byte_drops == 1 or self.byte_drops % 1000 == 0:
-                log.warning("offloop: an events message of %d bytes was dropped (%d so far): %d bytes of "
-                            "messages still wait for a subscriber that is not reading (max_queued_bytes %d)",
-                            size, self.byte_drops, self.queued_bytes, self.max_queued_bytes)
+        dropped it. Libzmq keeps one copy for all subscribers, so this bounds them together.
+        Its tracker also releases the untracked messages sent before it."""
+        if not self._has_room(size):
             return False
         last = zmq.Frame(frames[-1], copy=False, track=True)
         self._tx.send_multipart([*frames[:-1], last], zmq.NOBLOCK, copy=False)
-        in_flight.append((last.tracker, size))
+        self._in_flight.append((last.tracker, size + self._untracked))
         self.queued_bytes += size
+        self._untracked = 0
         return True
 
     def _opens(self, topic: str) -> bool:

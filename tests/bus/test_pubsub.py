@@ -10,6 +10,7 @@ import msgpack
 import pytest
 import torch
 import zmq
+import zmq.utils.garbage as garbage
 from helpers.wire_values import deepest_alone, nested
 
 from offloop.bus import Publisher, PublisherSilent, Subscriber, WireError
@@ -184,6 +185,38 @@ def test_what_waits_for_a_stopped_subscriber_is_bounded_in_bytes_and_each_drop_i
     assert held <= 32 * mib and grown < 96 * mib, (held, grown)  # 400 MiB before the bound
     assert pub.byte_drops > 300 and pub.drops == pub.byte_drops and sent == total - 1 - pub.drops
     # the subscriber counted exactly what it missed, and was told why (heartbeats carry drops)
+    assert report["received"] + report["gaps"] == total and report["duplicates"] == 0
+    assert report["publisher_drops"] == pub.byte_drops
+
+
+def test_bursts_of_fast_steps_are_bounded_in_bytes_without_a_tracker_each(spawn, tmp_path):
+    """A burst of a fast model's steps is 4-8 KiB, counted against max_queued_bytes. Sent
+    with a tracker each, every burst woke pyzmq's garbage-collector thread, which took the
+    GIL from the training loop (docs/benchmarks.md, "Bursts sent untracked"). Copied, with
+    one tracked each time 1/64 of the bound has gone untracked, they are still bounded in
+    bytes for a stopped subscriber, and it counts exactly what it missed."""
+    total, go, bound = 4000, tmp_path / "go", 4 << 20
+    pub = Publisher("bursts-run", heartbeat_interval=0.1, max_queued_bytes=bound)
+    endpoints = pub.start()
+    try:
+        child = spawn("slow_subscriber", endpoints["events"], endpoints["state"], total, go)
+        assert child.line()["joined"]
+        assert pub.publish("batch_end", (0, 1, 1, 1, 0), {"i": 1, "pad": b"x" * 8000})
+        assert child.line()["first"] == 1  # from here on it reads nothing until `go` exists
+        zero_copy_before = len(garbage.gc.refs)
+        sent = sum(pub.publish("batch_end", (0, i, i, i, 0), {"i": i, "pad": bytes([i % 256]) * 8000})
+                   for i in range(2, total + 1))  # 32 MiB in messages of 8 KiB
+        held, zero_copy = pub.queued_bytes, len(garbage.gc.refs) - zero_copy_before
+        go.touch()
+        child.line()
+        report = child.line(timeout=60)
+    finally:
+        pub.close(linger=0.3)
+    assert held <= bound and pub.byte_drops > 0 and pub.drops == pub.byte_drops
+    assert sent == total - 1 - pub.drops
+    # the messages pyzmq holds without a copy, each woken for by its garbage collector: one
+    # in every 8 at most (64 KiB / 8 KiB), where each of them was one before (bound / 8 KiB)
+    assert zero_copy <= bound // (64 << 10) + 1, zero_copy
     assert report["received"] + report["gaps"] == total and report["duplicates"] == 0
     assert report["publisher_drops"] == pub.byte_drops
 
