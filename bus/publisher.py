@@ -87,10 +87,11 @@ MAX_SUBSCRIPTION_BYTES = 4096
 #: has handed them to every subscriber's connection; smaller ones (a step's burst on a
 #: model of real size is 1-2 KiB) are bounded by the subscriber queue's message count alone
 TRACKED_BYTES = 4096
-#: a counted message of one frame (a burst of fast steps) is sent copied, untracked: a tracker
-#: wakes pyzmq's garbage-collector thread, which takes the GIL from the loop (docs/benchmarks.md,
-#: "Bursts sent untracked"). One is tracked whenever this share of max_queued_bytes has gone
-#: untracked, and its tracker stands for those before it: connections take messages in order
+#: a counted message of one frame under 64 KiB (a burst of fast steps) is copied and sent
+#: untracked: a tracker wakes pyzmq's garbage-collector thread, which takes the GIL from the
+#: loop (docs/benchmarks.md, "Bursts sent untracked"). One is tracked whenever 1/TRACK_SHARE
+#: of max_queued_bytes has gone untracked; its tracker stands for those before it too, as
+#: every connection takes messages in order
 TRACK_SHARE = 64
 #: released bursts kept for the service thread to fold into the late-join state; past this
 #: many the releasing thread folds them itself
@@ -388,7 +389,8 @@ class Publisher:
                 if size < TRACKED_BYTES:  # the usual message: small, copied
                     self._tx.send(frames[0], zmq.NOBLOCK)
                     return True
-                if self._untracked + size < self.max_queued_bytes // TRACK_SHARE:
+                # copied below pyzmq's own line between copying and zero-copy (64 KiB)
+                if size < zmq.COPY_THRESHOLD and self._untracked + size < self.max_queued_bytes // TRACK_SHARE:
                     return self._send_counted(frames[0], size)
             else:
                 size = sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
