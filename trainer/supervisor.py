@@ -174,6 +174,8 @@ class CallbackWorkers:
         self.ready_timeout = ready_timeout
         self.workers: list[_Worker] = []
         self.crashes: list[str] = []
+        #: logger calls lost with workers ended behind them (each as it last reported its queue)
+        self.logs_lost = 0
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # an answer came, or wake() was called
         self._stop = threading.Event()
@@ -379,8 +381,12 @@ class CallbackWorkers:
             behind = self.fits and self._behind(worker)
             worker.process.join(timeout=0.0 if behind else max(0.0, deadline - time.monotonic()))
             if worker.process.is_alive():
-                log.warning("offloop: callback worker %s %s; terminating it", worker.name,
-                            "was still behind" if behind else "did not exit")
+                lost = ""
+                if worker.logs:  # queued in the worker, never made: counted, not only said
+                    self.logs_lost += worker.logs
+                    lost = f" ({worker.logs} logger calls queued at its last report are lost with it)"
+                log.warning("offloop: callback worker %s %s; terminating it%s", worker.name,
+                            "was still behind" if behind else "did not exit", lost)
                 worker.process.terminate()
                 worker.process.join(timeout=5)
         if self._thread is not None:  # it reads and closes the socket pairs too: done first

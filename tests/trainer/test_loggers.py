@@ -186,6 +186,10 @@ def test_close_waits_for_a_stalled_loggers_calls_and_says_so_when_it_gives_up(tm
     assert "callback worker loggers is past fit_end, its loggers still making calls (" in caplog.text
     assert "callback worker loggers had not logged everything up to fit_end after 3s" in caplog.text
     assert not out.exists()
+    # what it still held is counted as well as said: the 4 batches' metrics but the one
+    # whose call never returned, at least
+    lost = trainer.workers.logs_lost
+    assert lost >= 3 and f"({lost} logger calls queued at its last report are lost with it)" in caplog.text
 
 
 def test_tensorboard_gets_images_from_log_images(tmp_path):
