@@ -382,7 +382,7 @@ class CallbackWorkers:
             worker.process.join(timeout=0.0 if behind else max(0.0, deadline - time.monotonic()))
             if worker.process.is_alive():
                 lost = ""
-                if worker.logs:  # queued in the worker, never made: counted, not only said
+                if behind and worker.logs:  # queued, never made (not behind: all made): counted
                     self.logs_lost += worker.logs
                     lost = f" ({worker.logs} logger calls queued at its last report are lost with it)"
                 log.warning("offloop: callback worker %s %s; terminating it%s", worker.name,
