@@ -25,14 +25,15 @@ interval, queue bounds, worker niceness) unless its case name says otherwise:
 
 (p) is a floor measured in the same run: the hand-written loop publishing the 13 events
 a step that (c) publishes, by the least a publisher of them can do. At each event, a
-wall-clock stamp and an append of (topic, time, data), the data (c) carries (the loss read
-once with .item(), batch_end's learning rates); once the burst interval (5 ms, the product's
-default) has passed, one msgpack packb of what was held and one non-blocking send on a
-ZeroMQ PUB socket (tcp, loopback) to a subscriber process that decodes every message. It
-leaves out what the design brief asks of offloop beyond that (sequence numbers and the
-per-topic counts, heartbeats, the late-join state, a bound in bytes, skipping events
-nobody wants), so (c) cannot reach it; `floor_bus_on_*` adds (b)'s and (p)'s excess
-over (a), the least (c) could cost with the Trainer's own loop as it is.
+wall-clock stamp and an append of (topic, time, data), the data (c) carries (the loss
+read once with .item(), batch_end's learning rates); once the burst interval (5 ms, the
+product's default) has passed, one packb of what was held (ormsgpack, offloop's packer)
+and one non-blocking send on a ZeroMQ PUB socket (tcp, loopback) to a subscriber process
+that decodes every message. It leaves out what the design brief asks of offloop beyond
+that (sequence numbers and the per-topic counts, heartbeats, the late-join state, a
+bound in bytes, skipping events nobody wants), so (c) cannot reach it;
+`floor_bus_on_*` adds (b)'s and (p)'s excess over (a): the least (c) could cost with
+the Trainer's own loop as it is.
 
 A step is the interval between two fetches of a batch: every case iterates the same
 `Blocks` loader, which reads perf_counter_ns each time the next batch is asked for, so
@@ -83,8 +84,8 @@ import sys
 import tempfile
 import time
 
-import msgpack
 import numpy as np
+import ormsgpack
 import torch
 import torch.nn.functional as F
 import zmq
@@ -244,12 +245,12 @@ class PlainLoop:
 
 #: (p)'s subscriber process: decodes every message until it is killed
 FLOOR_SUBSCRIBER = """
-import sys, msgpack, zmq
+import sys, ormsgpack, zmq
 sock = zmq.Context().socket(zmq.SUB)
 sock.connect(sys.argv[1])
 sock.subscribe(b"")
 while True:
-    msgpack.unpackb(sock.recv())
+    ormsgpack.unpackb(sock.recv())
 """
 FLOOR_INTERVAL = 0.005  # seconds: the product's default burst interval
 
@@ -274,7 +275,7 @@ class PublishingLoop(PlainLoop):
     def run(self, steps: int, warmup: int) -> list[float]:
         model, opt, size, groups = self.model, self.opt, self.batch_size, self.opt.param_groups
         held: list[tuple] = []
-        hold, clock, pack, send = held.append, time.time, msgpack.packb, self.sock.send
+        hold, clock, pack, send = held.append, time.time, ormsgpack.packb, self.sock.send
         released = time.perf_counter()
         for x, y in self.loader.block(steps):
             hold(("after_dataloader", clock(), None))
