@@ -423,13 +423,9 @@ def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: ClientKey
         from offloop.workers.callbacks.progress import ProgressBar
 
         callbacks = [*callbacks, ProgressBar(**builtins["ProgressBar"])]
-    # the shared worker (index 0) logs where the Trainer's loggers and log_to_console say, as
-    # Composer's Trainer does: with neither, nowhere; a callback in a process of its own still
-    # logs to its console, the fallback of any worker given no destination
-    destinations = (loggers or []) if index == 0 else (loggers or None)
     try:
         worker = Worker(run_dir, callbacks, exit_on_fit_end=False, heartbeat_timeout=heartbeat_timeout,
-                        keys=keys, index=index, destinations=destinations)
+                        keys=keys, index=index, destinations=loggers or None)
         worker.connect()
     except Exception as exc:
         conn.send(("error", (None, f"could not join the run: {exc}")))

@@ -12,7 +12,6 @@ from test_attach_tmux import tmux  # noqa: F401 (the fixture)
 from torch.utils.data import DataLoader, TensorDataset
 
 from offloop import Trainer
-from offloop.callbacks import LRMonitor
 from offloop.workers.callbacks.progress import render
 
 SCRIPT = """
@@ -59,18 +58,6 @@ def test_no_terminal_no_progress_worker_and_log_to_console_prints_lines(tmp_path
         chatty.fit()
     err = capfd.readouterr().err
     assert "[step 4] loss/train/total: " in err and "|" not in err
-
-
-def test_callbacks_logs_are_not_printed_without_loggers_or_log_to_console(tmp_path, capfd):
-    """As Composer's Trainer: LRMonitor logs every batch, and with no logger and
-    log_to_console=False none of it reaches the console; with log_to_console=True all of it."""
-    for run, console in (("quiet", False), ("chatty", True)):
-        with Trainer(torch.nn.Linear(8, 2), _data(), "1ep", loss_fn=F.cross_entropy, run_dir=tmp_path / run,
-                     callbacks=[LRMonitor()], log_to_console=console) as trainer:
-            trainer.fit()
-        out = capfd.readouterr()
-        lines = [line for line in (out.out + out.err).splitlines() if "lr-SGD/group0" in line]
-        assert len(lines) == (4 if console else 0), out
 
 
 def test_a_bar_renders_as_tqdm_draws_it():
