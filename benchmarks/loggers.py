@@ -142,8 +142,12 @@ class Offloaded:
             self.drops += 1
 
     def close(self) -> int:
-        self.sock.send(b"end")
-        self.process.wait(timeout=120)
+        try:
+            self.sock.send(b"end")  # behind every value sent: the process logs them all first
+            self.process.wait(timeout=120)
+        except (zmq.Again, subprocess.TimeoutExpired):
+            self.process.kill()
+            self.process.wait()
         self.sock.close(linger=0)
         self.context.term()
         return self.drops
