@@ -74,7 +74,7 @@ DEFAULT_RETAINED = frozenset(
 
 _HB_PREFIX = topic_prefix(HEARTBEAT_TOPIC)
 _DRAIN_EVERY = 4096  # the publishing socket's own copy of the subscriptions is drained this often
-HOLD_AT_MOST = 256  # held events sent anyway once this many wait
+HOLD_AT_MOST = 256  # held events sent anyway once this many wait (held_publish(): at release_due())
 #: late-join requests answered together in one round of the service thread (one settle wait)
 STATE_BATCH = 64
 #: open topic prefixes (subscriptions not ending in a full topic) matched one by one on
@@ -177,17 +177,19 @@ class Publisher:
         self._seen_topics: set[str] = set()
         self._subscriptions: set[bytes] = set()  # SUB prefixes in force; service thread only
         self._tseq: dict[str, int] = {}
-        # hold(): publish() only appends (topic, t, data, ts), or (topic, t, data) when ts
-        # is the very object the entry before it had: a burst's own layout. release()
-        # numbers the held events (seq, tseq), keeps the latest of each topic and sends
-        # them, all under _send_lock, which also orders the sends. The publishing thread
-        # appends, whoever releases pops. A held event has no sequence number yet, so no
-        # heartbeat counts it.
+        # hold(): publish() (or held_publish()'s function) only appends (topic, t, data, ts),
+        # or (topic, t, data) when ts is the very object the entry before it had: a burst's
+        # own layout. release() numbers the held events (seq, tseq) and sends them, all under
+        # _send_lock, which also orders the sends. The publishing thread appends, whoever
+        # releases pops; neither replaces the deque (held_publish() holds its append). A
+        # held event has no sequence number yet, so no heartbeat counts it.
         self._holding = False
         self._hold_interval = 0.0  # release_due() sends only once this long after the last burst
         self._released_at = 0.0
         self._held: deque[tuple] = deque()
-        self._held_ts: Any = _NO_TS  # the ts of the last entry appended (publishing thread only)
+        #: the ts of the last entry appended, in a cell held_publish()'s function shares
+        #: (publishing thread only)
+        self._held_ts: list[Any] = [_NO_TS]
         self._released_ts: Any = None  # the ts of the last entry released (under _send_lock)
         self._send_lock = threading.Lock()
         self._latest: dict[str, list] = {}  # [topic, seq, tseq, t, ts, data] of each topic
@@ -318,11 +320,11 @@ class Publisher:
         if topic not in self._wanted and not (self._open_prefixes and self._opens(topic)):
             return False
         if self._holding:
-            held = self._held
-            if ts is self._held_ts:  # the same Timestamp's tuple as the entry before: packed once
+            held, last = self._held, self._held_ts
+            if ts is last[0]:  # the same Timestamp's tuple as the entry before: packed once
                 held.append((topic, time.time(), data))
             else:
-                self._held_ts = ts
+                last[0] = ts
                 held.append((topic, time.time(), data, ts))
             if len(held) >= HOLD_AT_MOST:
                 self._release_own()
@@ -474,19 +476,50 @@ class Publisher:
             self._released_at = time.perf_counter()  # the first interval starts now
             self._holding = True
 
+    def held_publish(self) -> Callable[[str, tuple, dict | None], bool]:
+        """publish() for the loop that holds, made once: for a topic someone wants it only
+        reads the clock and appends, with no attribute lookup and no count of what waits
+        (the loop calls release_due() at each step, which sends once HOLD_AT_MOST wait, so
+        a step of many microbatches may hold more until its end). Every other topic goes
+        through publish(). The trainer publishes each event through it: a call is a
+        measurable share of a small model's step (docs/benchmarks.md, "One call an
+        event"). Same contract as publish() otherwise; valid while holding, from the
+        publishing thread."""
+        if not self._holding:
+            raise RuntimeError("held_publish() needs hold() first: its events leave at release()")
+        wanted, last, clock, publish = self._wanted, self._held_ts, time.time, self.publish
+        hold = self._held.append
+
+        def publish_held(topic: str, ts: tuple, data: dict | None = None) -> bool:
+            if topic in wanted:  # the set itself, changed in place by the service thread
+                if ts is last[0]:
+                    hold((topic, clock(), data))
+                else:
+                    last[0] = ts
+                    hold((topic, clock(), data, ts))
+                return True
+            return publish(topic, ts, data)  # an open prefix's new topic, or nobody's
+
+        return publish_held
+
     def release_due(self) -> None:
-        """release(), if the last burst left at least the hold interval ago. From the
-        publishing thread only (the loop's, where release() may come from any thread)."""
-        if self._held and time.perf_counter() - self._released_at >= self._hold_interval:
+        """release(), if the last burst left at least the hold interval ago or HOLD_AT_MOST
+        events wait. From the publishing thread only (the loop's, where release() may come
+        from any thread)."""
+        held = self._held
+        if held and (len(held) >= HOLD_AT_MOST or time.perf_counter() - self._released_at >= self._hold_interval):
             self._release_own()
 
     def _release_own(self) -> None:
         """release() from the publishing thread: nothing appends meanwhile, so it takes the
-        held queue whole instead of popping it event by event."""
+        held queue whole (copied, then cleared: held_publish() appends to this deque)
+        instead of popping it event by event."""
         with self._send_lock:
-            held, self._held = self._held, deque()
-            if held:
-                self._release_entries(list(held))
+            queue = self._held
+            if queue:
+                held = list(queue)
+                queue.clear()
+                self._release_entries(held)
 
     def release(self, *, stop_holding: bool = False) -> None:
         """Send every held event now: one burst message (or several, within the size

@@ -26,10 +26,10 @@ class Emitter:
     data)` publishes values built with `host()`; `release_due()` sends what is held once
     the burst interval has passed. These three are callables chosen once, here, not
     methods: where nothing can be staged ahead of an event (the CPU) `emit` and `snapshot`
-    are the publisher's own `publish()`, and `release_due` its own, so an event nobody
-    wants costs the loop one C lookup and no frame of ours (docs/benchmarks.md, "One
-    trainer, one timestamp type"); on CUDA they keep the stream in order behind snapshots
-    still copying off the GPU; with no publisher they do nothing.
+    are the publisher's `held_publish()` (a membership test, a clock read and an append)
+    and `release_due` its own, so an event costs the loop one frame, the publisher's
+    (docs/benchmarks.md, "One call an event"); on CUDA they keep the stream in order
+    behind snapshots still copying off the GPU; with no publisher they do nothing.
     """
 
     emit: Callable[..., Any]
@@ -53,9 +53,9 @@ class Emitter:
         if self.cuda:
             self.emit, self.snapshot = self._emit_in_order, self.emit_tensors
         else:
-            # holding, publish() never raises for the trainer's topics: a value the wire
+            # holding, publishing never raises for the trainer's topics: a value the wire
             # cannot carry is counted when the burst is encoded
-            self.emit = self.snapshot = publisher.publish
+            self.emit = self.snapshot = publisher.held_publish()
 
     def run_first(self, run: Callable[[str, dict | None], Any], topics: Container[str]) -> None:
         """Call `run(topic, data)` at each event before it is published: the algorithms

@@ -14,6 +14,7 @@ import zmq.utils.garbage as garbage
 from helpers.wire_values import deepest_alone, nested
 
 from offloop.bus import Publisher, PublisherSilent, Subscriber, WireError
+from offloop.bus.publisher import HOLD_AT_MOST
 from offloop.bus.wire import EventEncoder
 
 
@@ -461,6 +462,42 @@ def test_held_events_sharing_a_ts_keep_it_across_releases_for_bursts_topics_and_
             "batch_start": (1, 1, a), "after_loss": (3, 2, a), "batch_end": (4, 1, b),
             "batch_checkpoint": (5, 1, b)}
     publisher.release(stop_holding=True)
+
+
+def test_held_publish_shares_the_burst_layout_with_publish_and_leaves_at_release_due(publisher):
+    with pytest.raises(RuntimeError, match="hold"):
+        publisher.held_publish()  # not holding: its events would never leave
+    a, b = (0, 1, 1, 32, 0), (0, 2, 2, 64, 0)
+    with every_and_one(publisher, "after_loss") as (every, one):
+        publisher.hold(interval=60.0)  # never due by time here: only the count sends
+        fast = publisher.held_publish()
+        fast("batch_start", a, {"i": 1})
+        publisher.publish("after_loss", a, {"i": 2})  # shares a with the entry before it
+        fast("batch_end", b, {"i": 3})
+        publisher.publish("batch_checkpoint", a, {"i": 4})  # a again, after b: carries its own
+        assert fast("my_metric", a, {"i": 5}) is True  # opened by the subscriber of everything
+        publisher.release()
+        got = [every.recv(timeout=2) for _ in range(5)]
+        assert [(m.topic, m.seq, m.ts, m.data) for m in got] == [
+            ("batch_start", 1, a, {"i": 1}), ("after_loss", 2, a, {"i": 2}),
+            ("batch_end", 3, b, {"i": 3}), ("batch_checkpoint", 4, a, {"i": 4}), ("my_metric", 5, a, {"i": 5})]
+        assert [(m.seq, m.ts) for m in [one.recv(timeout=2)]] == [(2, a)]
+        # after a release the same function holds again; release_due() sends once 256 wait
+        for i in range(HOLD_AT_MOST - 1):
+            fast("batch_end", b if i % 2 else a, {"i": i})
+        publisher.release_due()
+        assert publisher.seq == 5  # 255 wait, the interval has not passed: still held
+        fast("after_loss", b, {"i": HOLD_AT_MOST - 1})
+        publisher.release_due()
+        got = []
+        while len(got) < HOLD_AT_MOST and (msg := every.recv(timeout=5)) is not None:
+            got.append(msg)
+        assert [(m.seq, m.ts, m.data["i"]) for m in got] == [
+            (6 + i, b if i % 2 else a, i) for i in range(HOLD_AT_MOST)]
+        assert one.recv(timeout=2).data == {"i": HOLD_AT_MOST - 1}
+        assert receive_through_heartbeats(every, one) == [[], []]
+        assert every.stats.gaps == one.stats.gaps == 0
+        publisher.release(stop_holding=True)
 
 
 def test_a_late_joiners_state_is_each_topics_latest_after_hundreds_of_releases_and_an_event_not_held(publisher):
