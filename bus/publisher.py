@@ -480,14 +480,15 @@ class Publisher:
         """publish() for the loop that holds, made once: for a topic someone wants it only
         reads the clock and appends, with no attribute lookup and no count of what waits
         (the loop calls release_due() at each step, which sends once HOLD_AT_MOST wait, so
-        a step of many microbatches may hold more until its end). Every other topic goes
-        through publish(). The trainer publishes each event through it: a call is a
+        a step of many microbatches may hold more until its end). A topic nobody wants
+        returns False at once; one an open prefix may select goes through publish(). The
+        trainer publishes each event through it: a call is a
         measurable share of a small model's step (docs/benchmarks.md, "One call an
         event"). Same contract as publish() otherwise; valid while holding, from the
         publishing thread."""
         if not self._holding:
             raise RuntimeError("held_publish() needs hold() first: its events leave at release()")
-        wanted, last, clock, publish = self._wanted, self._held_ts, time.time, self.publish
+        publisher, wanted, last, clock = self, self._wanted, self._held_ts, time.time
         hold = self._held.append
 
         def publish_held(topic: str, ts: tuple, data: dict | None = None) -> bool:
@@ -498,7 +499,9 @@ class Publisher:
                     last[0] = ts
                     hold((topic, clock(), data, ts))
                 return True
-            return publish(topic, ts, data)  # an open prefix's new topic, or nobody's
+            if not publisher._open_prefixes:  # nobody wants it (the usual miss)
+                return False
+            return publisher.publish(topic, ts, data)  # an open prefix may select it: opened there
 
         return publish_held
 

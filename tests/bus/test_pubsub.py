@@ -468,9 +468,10 @@ def test_held_publish_shares_the_burst_layout_with_publish_and_leaves_at_release
     with pytest.raises(RuntimeError, match="hold"):
         publisher.held_publish()  # not holding: its events would never leave
     a, b = (0, 1, 1, 32, 0), (0, 2, 2, 64, 0)
+    publisher.hold(interval=60.0)  # never due by time here: only the count sends
+    fast = publisher.held_publish()
+    assert fast("after_forward", a) is False and not publisher._held  # nobody wants it yet
     with every_and_one(publisher, "after_loss") as (every, one):
-        publisher.hold(interval=60.0)  # never due by time here: only the count sends
-        fast = publisher.held_publish()
         fast("batch_start", a, {"i": 1})
         publisher.publish("after_loss", a, {"i": 2})  # shares a with the entry before it
         fast("batch_end", b, {"i": 3})
