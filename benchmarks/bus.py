@@ -39,7 +39,7 @@ packs and sends and does nothing else):
 (b) unsubscribed_us: an event nobody subscribes to (target <= 0.3 us)
 (c) tensor_1mib_us: an event carrying a 1 MiB tensor (its bytes sent without a copy)
 (d) sustained, into one subscriber process that decodes every event and counts loss:
-  events_per_s        held as the trainer holds them (a burst every 5 ms) into a
+  events_per_s        held as the trainer holds them (bursts at the Trainer's default interval) into a
                       subscriber of everything: events received per second (target
                       >= 300 000 with no loss, `events_per_s_met`)
   events_per_s_single one message per event into a subscriber of the topic
@@ -64,6 +64,7 @@ Run: python benchmarks/bus.py [--calls N] [--events N] [--single-events N]
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import multiprocessing as mp
 import statistics
@@ -79,9 +80,10 @@ import zmq
 from offloop.bus import Publisher, Subscriber
 from offloop.bus.publisher import HOLD_AT_MOST  # held events a publisher sends at once
 from offloop.bus.wire import BURST_PREFIX, VERSION
+from offloop.trainer import Trainer
 
 STEP_EVENTS = 13  # events the trainer publishes per plain training step
-BURST_INTERVAL = 0.005  # the Trainer's default burst_interval
+BURST_INTERVAL = inspect.signature(Trainer).parameters["burst_interval"].default  # the Trainer's default
 RATIO_BATCHED_TARGET = 2.0
 UNSUBSCRIBED_TARGET_US = 0.3
 EVENTS_PER_S_TARGET = 300_000
@@ -331,7 +333,7 @@ def main() -> None:
 
 def sustained(n: int, held: bool, unbounded: bool = False) -> dict:
     """Publish n scalar events flat out into one subscriber process that decodes them all:
-    held as the trainer holds them (steps of 13 events, a burst every 5 ms) into a
+    held as the trainer holds them (steps of 13 events, bursts at the Trainer's default burst_interval) into a
     subscriber of everything, or one message each into a subscriber of the topic. The
     product's queue bounds unless `unbounded`, where nothing can be dropped."""
     bounds = {"queue_size": n + 1, "subscriber_hwm": 0} if unbounded else {}
