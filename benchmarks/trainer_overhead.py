@@ -26,7 +26,7 @@ interval, queue bounds, worker niceness) unless its case name says otherwise:
 (p) is a floor measured in the same run: the hand-written loop publishing the 13 events
 a step that (c) publishes, by the least a publisher of them can do. At each event, a
 wall-clock stamp and an append of (topic, time, data), the data (c) carries (the loss
-read once with .item(), batch_end's learning rates); once the burst interval (20 ms, the
+read once with .item(), batch_end's learning rates); once the burst interval (5 ms, the
 product's default) has passed, one packb of what was held (ormsgpack, offloop's packer)
 and one non-blocking send on a ZeroMQ PUB socket (tcp, loopback) to a subscriber process
 that decodes every message. It leaves out what the design brief asks of offloop beyond

@@ -48,7 +48,7 @@ class HookedRun:
                  run_name: str | None = None, run_dir: str | os.PathLike | None = None,
                  save_folder: str | os.PathLike | None = None, checkpoint_suffix: str = ".ckpt",
                  host: str = "127.0.0.1", keys: str | os.PathLike | None = None, insecure: bool = False,
-                 heartbeat_interval: float = 0.5, burst_interval: float = 0.02,
+                 heartbeat_interval: float = 0.5, burst_interval: float = 0.005,
                  worker_shutdown_timeout: float = 60.0, worker_nice: int = 10,
                  decision_timeout: float = 30.0, hparams: dict | None = None) -> None:
         arguments.check_settings(precision="fp32", grad_accum=1, contiguous_grads="auto", publish_samples=0,

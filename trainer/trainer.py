@@ -71,7 +71,7 @@ class Trainer:
         per_param_grad_norms: bool = False, contiguous_grads: bool | str = "auto",
         hparams: Mapping[str, Any] | None = None,
         host: str = "127.0.0.1", keys: str | os.PathLike | None = None, insecure: bool = False,
-        heartbeat_interval: float = 0.5, burst_interval: float = 0.02,
+        heartbeat_interval: float = 0.5, burst_interval: float = 0.005,
         checkpoint_on_sigterm: bool = True, worker_shutdown_timeout: float = 60.0,
         worker_nice: int = 10, decision_timeout: float = 30.0,
     ) -> None:

@@ -133,7 +133,11 @@ def test_a_subscriber_that_stops_reading_in_another_process_costs_the_publisher_
     pub = Publisher("slow-run", heartbeat_interval=0.1, subscriber_hwm=4, queue_size=total + 1,
                     max_queued_bytes=1 << 40)
     endpoints = pub.start()
+    # takes heartbeats only: one sent after the last event reaches it once the proxy has
+    # passed every event on (queued for the stopped subscriber, or dropped for it)
+    watcher = Subscriber(endpoints["events"], endpoints["state"], topics=["nothing"])
     try:
+        watcher.connect(join_timeout=20)
         child = spawn("slow_subscriber", endpoints["events"], endpoints["state"], total, go)
         assert child.line()["joined"]
         assert pub.publish("batch_end", (0, 1, 1, 1, 0), {"i": 1, "pad": PAD})
@@ -142,11 +146,14 @@ def test_a_subscriber_that_stops_reading_in_another_process_costs_the_publisher_
                     for i in range(2, total + 1)]
         # Every publish() has returned while the subscriber is stopped: one that waited for
         # room in its queues would never have returned (the test's timeout, not a pass).
-        drops = pub.drops
+        drops, beats = pub.drops, pub.beats
+        wait_until(lambda: watcher.recv(timeout=0.05) is None and watcher._latest_beat > beats, timeout=30,
+                   what="a heartbeat sent after the last event")
         go.touch()
         at_handshake = child.line()["received"]
         report = child.line(timeout=60)
     finally:
+        watcher.close()
         pub.close(linger=0.1)
     assert at_handshake == 1  # the subscriber had taken one event when the last send returned
     assert all(returned) and drops == 0  # none refused: nothing pushed back on the publisher
