@@ -357,9 +357,11 @@ class Publisher:
         if len(held[0]) == 3:  # its ts is the last one released (the entry before it)
             held[0] = (*held[0], self._released_ts)
         seq = self._advance(len(held))
+        # each topic once (a burst holds a few), counted by list.count in C: Counter's Python
+        # layers cost a release more, cold (docs/benchmarks.md, "The burst interval")
         tseq, first, topics = self._tseq, {}, list(map(_TOPIC, held))
-        for topic in dict.fromkeys(topics):  # each topic once, counted by list.count (no Counter:
-            n = tseq.get(topic, 0)           # its Python layers cost a release more, cold)
+        for topic in dict.fromkeys(topics):
+            n = tseq.get(topic, 0)
             first[topic] = n + 1
             tseq[topic] = n + topics.count(topic)
         self._unfolded.append((seq, first, held))
