@@ -39,9 +39,9 @@ packs and sends and does nothing else):
 (b) unsubscribed_us: an event nobody subscribes to (target <= 0.3 us)
 (c) tensor_1mib_us: an event carrying a 1 MiB tensor (its bytes sent without a copy)
 (d) sustained, into one subscriber process that decodes every event and counts loss:
-  events_per_s        held as the trainer holds them (bursts at the Trainer's default interval) into a
-                      subscriber of everything: events received per second (target
-                      >= 300 000 with no loss, `events_per_s_met`)
+  events_per_s        held as the trainer holds them (bursts at the Trainer's default
+                      burst_interval) into a subscriber of everything: events received
+                      per second (target >= 300 000 with no loss, `events_per_s_met`)
   events_per_s_single one message per event into a subscriber of the topic
   events_per_s_unbounded  held, with every queue unbounded: the subscriber's decode rate
                       when nothing can be dropped; says nothing about the product's loss
@@ -333,9 +333,9 @@ def main() -> None:
 
 def sustained(n: int, held: bool, unbounded: bool = False) -> dict:
     """Publish n scalar events flat out into one subscriber process that decodes them all:
-    held as the trainer holds them (steps of 13 events, bursts at the Trainer's default burst_interval) into a
-    subscriber of everything, or one message each into a subscriber of the topic. The
-    product's queue bounds unless `unbounded`, where nothing can be dropped."""
+    held as the trainer holds them (steps of 13 events, bursts at the Trainer's default
+    burst_interval) into a subscriber of everything, or one message each into a subscriber
+    of the topic. The product's queue bounds unless `unbounded`, where nothing can be dropped."""
     bounds = {"queue_size": n + 1, "subscriber_hwm": 0} if unbounded else {}
     pub = Publisher("bench-sustained", heartbeat_interval=0.2, **bounds)
     endpoints = pub.start()
