@@ -484,10 +484,9 @@ class Publisher:
         (the loop calls release_due() at each step, which sends once HOLD_AT_MOST wait, so
         a step of many microbatches may hold more until its end). A topic nobody wants
         returns False at once; one an open prefix may select goes through publish(). The
-        trainer publishes each event through it: a call is a
-        measurable share of a small model's step (docs/benchmarks.md, "One call an
-        event"). Same contract as publish() otherwise; valid while holding, from the
-        publishing thread."""
+        trainer publishes each event through it: a call is a measurable share of a small
+        model's step (docs/benchmarks.md, "One call an event"). Same contract as publish()
+        otherwise; valid while holding, from the publishing thread."""
         if not self._holding:
             raise RuntimeError("held_publish() needs hold() first: its events leave at release()")
         publisher, wanted, last, clock = self, self._wanted, self._held_ts, time.time
