@@ -14,6 +14,14 @@ decisions cost the loop.
                         callback's hand; the same with the cores idle
   async_batches_late    batches between the one the callback judged and the halt (median):
                         the event's own trip to the worker (bursts) included
+  async_over_target_share, async_loop_cpu_share
+                        the share of busy halts slower than the p50 target (the p50 meets
+                        it while this is under one half), and the share of those fits'
+                        wall time the training thread spent on a CPU (Linux schedstat):
+                        with three runnable threads on two cores a busy halt is bimodal,
+                        under a millisecond or a scheduler tick (4 ms here) later, and
+                        which one depends mostly on whether the training thread, the one
+                        that applies a halt, is waiting for a CPU at that moment
   slow_logger_wait_p50_ms, slow_logger_wait_max_ms
                         the boundary case's waits with a logger destination beside the
                         callbacks that takes 20 ms a call (a tracking server 20 ms away):
@@ -28,12 +36,13 @@ Prints one JSON object per part and, last, a summary object with the targets. Wh
 does not show: a run under torchrun (decisions there stay asynchronous), CURVE keys (each
 request's fresh socket then pays a handshake), a worker with a backlog of events.
 
-Run: python benchmarks/control_latency.py [--halts N]
+Run: python benchmarks/control_latency.py [--halts N] [--burst-interval S]
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shutil
@@ -58,6 +67,7 @@ from workers import demo_callbacks  # noqa: E402  (the demo's five callbacks, as
 
 TARGETS = {"boundary_wait_p50_ms": 2.0, "async_p50_ms": 2.0, "async_p99_ms": 20.0}
 HALT_AFTER = 5  # batches into each fit at which HaltsOnce decides
+BURST_INTERVAL = inspect.signature(Trainer).parameters["burst_interval"].default  # the product's default
 
 
 class HaltsOnce(Callback):
@@ -87,7 +97,18 @@ def tiny_trainer(run_dir: Path, callbacks: list, **kwargs) -> Trainer:
     data = [(torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)) for _ in range(4)]
     return Trainer(model, data, kwargs.pop("max_duration", "1ep"), loss_fn=F.cross_entropy,
                    optimizers=torch.optim.SGD(model.parameters(), lr=kwargs.pop("lr", 0.1)),
-                   callbacks=callbacks, run_dir=run_dir, seed=3, **kwargs)
+                   callbacks=callbacks, run_dir=run_dir, seed=3, burst_interval=BURST_INTERVAL, **kwargs)
+
+
+def thread_cpu_ns() -> tuple[int, int] | None:
+    """(ns on a CPU, ns runnable and waiting for one) of the calling thread, from Linux's
+    schedstat; None where there is none."""
+    try:
+        with open("/proc/thread-self/schedstat") as stat:
+            on_cpu, waiting, _ = map(int, stat.read().split())
+    except (OSError, ValueError):
+        return None
+    return on_cpu, waiting
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -149,8 +170,10 @@ def async_halts(root: Path, halts: int, busy: bool) -> dict:
 
         control._apply = timed_apply
         with trainer:
+            cpu_before, wall_before = thread_cpu_ns(), time.perf_counter_ns()
             for _ in range(halts):
                 trainer.fit(duration=f"{trainer.timestamp.batch + 400}ba")
+            cpu_after, wall = thread_cpu_ns(), time.perf_counter_ns() - wall_before
     finally:
         for spinner in spinners:
             spinner.kill()
@@ -166,7 +189,10 @@ def async_halts(root: Path, halts: int, busy: bool) -> dict:
         return {"p50": round(statistics.median(values), 3), "mean": round(statistics.fmean(values), 3),
                 "p99": round(percentile(values, 0.99), 3), "max": round(max(values), 3)}
 
+    loop_cpu = None if cpu_before is None or cpu_after is None else round((cpu_after[0] - cpu_before[0]) / wall, 3)
     return {"part": "async", "busy": busy, "halts": len(effect), "effect_ms": spread(effect),
+            "over_target_share": round(sum(e > TARGETS["async_p50_ms"] for e in effect) / len(effect), 3),
+            "loop_cpu_share": loop_cpu,
             "to_inbox_ms": spread(to_inbox), "inbox_to_effect_ms": spread(inbox_to_effect),
             "ack_in_hand_ms": spread(ack), "batches_late_median": statistics.median(late) if late else None}
 
@@ -221,10 +247,14 @@ def exact_stop(root: Path) -> dict:
 
 
 def main() -> None:
+    global BURST_INTERVAL
     parser = argparse.ArgumentParser()
     parser.add_argument("--halts", type=int, default=200, help="halted fits per async case")
     parser.add_argument("--epochs", type=int, default=40, help="epochs of the boundary case")
+    parser.add_argument("--burst-interval", type=float, default=BURST_INTERVAL,
+                        help="every Trainer's burst_interval (default: the product's)")
     args = parser.parse_args()
+    BURST_INTERVAL = args.burst_interval  # every part's Trainer (tiny_trainer) reads it
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="offloop-bench-control-"))
     os.environ.setdefault("OFFLOOP_RUNS", str(root / "runs"))
@@ -245,10 +275,11 @@ def main() -> None:
         "async_p50_ms": busy["effect_ms"]["p50"], "async_p99_ms": busy["effect_ms"]["p99"],
         "async_mean_ms": busy["effect_ms"]["mean"], "async_to_inbox_p50_ms": busy["to_inbox_ms"]["p50"],
         "async_ack_in_hand_p50_ms": busy["ack_in_hand_ms"]["p50"], "async_batches_late": busy["batches_late_median"],
+        "async_over_target_share": busy["over_target_share"], "async_loop_cpu_share": busy["loop_cpu_share"],
         "async_idle_p50_ms": idle["effect_ms"]["p50"], "async_idle_p99_ms": idle["effect_ms"]["p99"],
         "cli_halt_roundtrip_ms": cli["median_ms"], "cli_interpreter_and_import_ms": cli["interpreter_and_import_ms"],
         "exact_stop": exact["stopped_at"] == exact["composer_stops_at"],
-        "torch": torch.__version__,
+        "burst_interval": BURST_INTERVAL, "torch": torch.__version__,
     }
     summary["targets"] = {key: {"target": target, "met": summary[key] <= target} for key, target in TARGETS.items()}
     print(json.dumps(summary))
