@@ -17,7 +17,7 @@ decisions cost the loop.
   async_over_target_share, async_loop_cpu_share
                         the share of busy halts slower than the p50 target (the p50 meets
                         it while this is under one half), and the share of those fits'
-                        wall time the training thread spent on a CPU (Linux schedstat):
+                        wall time the training thread spent on a CPU (its thread time):
                         with three runnable threads on two cores a busy halt is bimodal,
                         under a millisecond or a scheduler tick (4 ms here) later, and
                         which one depends mostly on whether the training thread, the one
@@ -100,17 +100,6 @@ def tiny_trainer(run_dir: Path, callbacks: list, **kwargs) -> Trainer:
                    callbacks=callbacks, run_dir=run_dir, seed=3, burst_interval=BURST_INTERVAL, **kwargs)
 
 
-def thread_cpu_ns() -> tuple[int, int] | None:
-    """(ns on a CPU, ns runnable and waiting for one) of the calling thread, from Linux's
-    schedstat; None where there is none."""
-    try:
-        with open("/proc/thread-self/schedstat") as stat:
-            on_cpu, waiting, _ = map(int, stat.read().split())
-    except (OSError, ValueError):
-        return None
-    return on_cpu, waiting
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -170,10 +159,10 @@ def async_halts(root: Path, halts: int, busy: bool) -> dict:
 
         control._apply = timed_apply
         with trainer:
-            cpu_before, wall_before = thread_cpu_ns(), time.perf_counter_ns()
+            cpu_before, wall_before = time.thread_time_ns(), time.perf_counter_ns()
             for _ in range(halts):
                 trainer.fit(duration=f"{trainer.timestamp.batch + 400}ba")
-            cpu_after, wall = thread_cpu_ns(), time.perf_counter_ns() - wall_before
+            cpu, wall = time.thread_time_ns() - cpu_before, time.perf_counter_ns() - wall_before
     finally:
         for spinner in spinners:
             spinner.kill()
@@ -189,10 +178,9 @@ def async_halts(root: Path, halts: int, busy: bool) -> dict:
         return {"p50": round(statistics.median(values), 3), "mean": round(statistics.fmean(values), 3),
                 "p99": round(percentile(values, 0.99), 3), "max": round(max(values), 3)}
 
-    loop_cpu = None if cpu_before is None or cpu_after is None else round((cpu_after[0] - cpu_before[0]) / wall, 3)
     return {"part": "async", "busy": busy, "halts": len(effect), "effect_ms": spread(effect),
             "over_target_share": round(sum(e > TARGETS["async_p50_ms"] for e in effect) / len(effect), 3),
-            "loop_cpu_share": loop_cpu,
+            "loop_cpu_share": round(cpu / wall, 3),
             "to_inbox_ms": spread(to_inbox), "inbox_to_effect_ms": spread(inbox_to_effect),
             "ack_in_hand_ms": spread(ack), "batches_late_median": statistics.median(late) if late else None}
 
