@@ -4,6 +4,11 @@
 `upstream` in a thread; while paused it reads and writes nothing, so the bytes wait in
 the kernel's buffers and the sender's queue fills, as across a cut network link. A small
 receive buffer on the upstream side keeps what the kernel holds small.
+
+Which events a cut loses is then exact only once two more buffers are pinned down:
+`fixed_send_buffers()` gives the publisher a context whose kernel send buffers do not grow,
+and `HeartbeatProbe.past(seq)` waits until the publisher's proxy has let go of every event
+up to `seq`, so none is still on its way when the link heals.
 """
 
 from __future__ import annotations
@@ -11,10 +16,55 @@ from __future__ import annotations
 import selectors
 import socket
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["PausableLink"]
+import zmq
+
+from offloop.bus.wire import HEARTBEAT_TOPIC, decode_event, topic_prefix
+
+__all__ = ["HeartbeatProbe", "PausableLink", "fixed_send_buffers"]
 
 _RCVBUF = 4096
+_SNDBUF = 1 << 16
+
+
+@contextmanager
+def fixed_send_buffers() -> Iterator[zmq.Context]:
+    """A context (for `Publisher(context=...)`) whose sockets' kernel send buffers are set.
+    Linux grows one left unset while the link is paused, up to tcp_wmem's max, at its own
+    pace: whether a flood's newest events got in before the heal would depend on the
+    machine (docs/reliability.md, "a value lost at the tail")."""
+    with zmq.Context() as ctx:
+        ctx.setsockopt(zmq.SNDBUF, _SNDBUF)
+        yield ctx
+
+
+class HeartbeatProbe:
+    """A SUB of heartbeats alone, straight on a publisher's events endpoint (not through
+    the link). Heartbeats share the events' queue into the proxy, so once one that
+    announces `seq` has left it, every event up to `seq` was sent or dropped."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+        self._sub = ctx.socket(zmq.SUB)
+        self._sub.linger = 0
+        self._sub.connect(endpoint)
+        self._sub.subscribe(topic_prefix(HEARTBEAT_TOPIC))
+
+    def __enter__(self) -> HeartbeatProbe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._sub.close()
+
+    def past(self, seq: int, timeout: float = 30.0) -> None:
+        """Wait for a heartbeat announcing `seq` or later; fail the test after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if self._sub.poll(int(left * 1000) + 1) and decode_event(self._sub.recv_multipart()).seq >= seq:
+                return
+        raise AssertionError(f"no heartbeat announced seq {seq} within {timeout}s")
 
 
 class PausableLink:
