@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from helpers.tcp_pause import HeartbeatProbe, PausableLink, fixed_send_buffers
+from helpers.tcp_pause import publisher_behind_link
 
-from offloop.bus import Publisher, PublisherSilent, Subscriber
+from offloop.bus import PublisherSilent, Subscriber
 
 PAD = "x" * 1000
 TOPICS = ["fit_start", "batch_end", "epoch_end"]
@@ -42,9 +42,7 @@ def accounted(sub: Subscriber, published: dict[str, int], got: list) -> bool:
 def cut_off():
     """A publisher (a small per-subscriber queue, heartbeats every 0.1 s) and a subscriber
     that reaches it through a link the test can pause; the subscriber waits up to 30 s."""
-    with fixed_send_buffers() as ctx, \
-            Publisher("run", subscriber_hwm=50, heartbeat_interval=0.1, context=ctx) as pub, \
-            PausableLink(pub.endpoints["events"]) as link, HeartbeatProbe(ctx, pub.endpoints["events"]) as probe:
+    with publisher_behind_link(run_id="run", subscriber_hwm=50, heartbeat_interval=0.1) as (pub, link, probe):
         sub = Subscriber(link.endpoint, pub.endpoints["state"], topics=TOPICS,
                          heartbeat_timeout=0.5, give_up_after=30)
         yield pub, link, sub, probe

@@ -6,8 +6,8 @@ the kernel's buffers and the sender's queue fills, as across a cut network link.
 receive buffer on the upstream side keeps what the kernel holds small.
 
 Which events a cut loses is then exact only once two more buffers are pinned down:
-`fixed_send_buffers()` gives the publisher a context whose kernel send buffers do not grow,
-and `HeartbeatProbe.past(seq)` waits until the publisher's proxy has let go of every event
+`publisher_behind_link()` gives the publisher kernel send buffers that do not grow, and
+its `HeartbeatProbe.past(seq)` waits until the publisher's proxy has let go of every event
 up to `seq`, so none is still on its way when the link heals.
 """
 
@@ -16,29 +16,20 @@ from __future__ import annotations
 import selectors
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import zmq
+from helpers.waiting import wait_until
 
+from offloop.bus import Publisher
 from offloop.bus.wire import HEARTBEAT_TOPIC, decode_event, topic_prefix
 
-__all__ = ["HeartbeatProbe", "PausableLink", "fixed_send_buffers"]
+__all__ = ["HeartbeatProbe", "PausableLink", "publisher_behind_link"]
 
 _RCVBUF = 4096
 _SNDBUF = 1 << 16
-
-
-@contextmanager
-def fixed_send_buffers() -> Iterator[zmq.Context]:
-    """A context (for `Publisher(context=...)`) whose sockets' kernel send buffers are set.
-    Linux grows one left unset while the link is paused, up to tcp_wmem's max, at its own
-    pace: whether a flood's newest events got in before the heal would depend on the
-    machine (docs/reliability.md, "a value lost at the tail")."""
-    with zmq.Context() as ctx:
-        ctx.setsockopt(zmq.SNDBUF, _SNDBUF)
-        yield ctx
 
 
 class HeartbeatProbe:
@@ -52,19 +43,31 @@ class HeartbeatProbe:
         self._sub.connect(endpoint)
         self._sub.subscribe(topic_prefix(HEARTBEAT_TOPIC))
 
-    def __enter__(self) -> HeartbeatProbe:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._sub.close()
-
     def past(self, seq: int, timeout: float = 30.0) -> None:
         """Wait for a heartbeat announcing `seq` or later; fail the test after `timeout`."""
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            if self._sub.poll(int(left * 1000) + 1) and decode_event(self._sub.recv_multipart()).seq >= seq:
-                return
-        raise AssertionError(f"no heartbeat announced seq {seq} within {timeout}s")
+        wait_until(lambda: self._sub.poll(50) and decode_event(self._sub.recv_multipart()).seq >= seq,
+                   timeout, f"a heartbeat announcing seq {seq}")
+
+    def close(self) -> None:
+        self._sub.close()
+
+
+@contextmanager
+def publisher_behind_link(**publisher_args: Any) -> Iterator[tuple[Publisher, PausableLink, HeartbeatProbe]]:
+    """A started Publisher, a PausableLink to its events endpoint, and a HeartbeatProbe.
+
+    The publisher's context sets its sockets' kernel send buffers: Linux grows one left
+    unset while the link is paused, up to tcp_wmem's max, at its own pace, so whether a
+    flood's newest events got in before the heal would depend on the machine
+    (docs/reliability.md, "a value lost at the tail")."""
+    with zmq.Context() as ctx:
+        ctx.setsockopt(zmq.SNDBUF, _SNDBUF)
+        with Publisher(context=ctx, **publisher_args) as pub, PausableLink(pub.endpoints["events"]) as link:
+            probe = HeartbeatProbe(ctx, pub.endpoints["events"])
+            try:
+                yield pub, link, probe
+            finally:
+                probe.close()
 
 
 class PausableLink:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import threading
 import time
 
-from helpers.tcp_pause import HeartbeatProbe, PausableLink, fixed_send_buffers
+from helpers.tcp_pause import publisher_behind_link
 from helpers.waiting import wait_until
 
-from offloop.bus import Publisher, RunInfo
+from offloop.bus import RunInfo
 from offloop.workers import Callback, Worker
 
 
@@ -30,9 +30,7 @@ class Seen(Callback):
 
 def test_a_worker_waits_out_a_partition_and_folds_what_it_lost_into_its_state(capsys):
     lost_batches = 20_000  # far more than the kernel's buffers and the subscriber queue (50) hold
-    with fixed_send_buffers() as ctx, \
-            Publisher("run", subscriber_hwm=50, heartbeat_interval=0.1, context=ctx) as pub, \
-            PausableLink(pub.endpoints["events"]) as link, HeartbeatProbe(ctx, pub.endpoints["events"]) as probe:
+    with publisher_behind_link(run_id="run", subscriber_hwm=50, heartbeat_interval=0.1) as (pub, link, probe):
         info = RunInfo("run", "partitioned", 0, time.time(),
                        {"events": link.endpoint, "state": pub.endpoints["state"]})
         seen = Seen()
