@@ -136,7 +136,8 @@ def test_two_ranks_on_a_one_gpu_node_are_told_what_to_change(tmp_path):
     cmd = [*torchrun_command(), "--standalone", "--nproc_per_node=2", str(root / "tests" / "helpers" / "ddp_train.py"),
            "--run-dir", str(tmp_path / "run"), "--max-duration", "2ba", "--device", "auto"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-                          env={**os.environ, "PYTHONPATH": str(root), "OFFLOOP_RUNS": str(tmp_path)})
+                          env={**os.environ, "OFFLOOP_RUNS": str(tmp_path),
+                               "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)})
     assert done.returncode != 0
     assert ("ConfigError: device 'auto' gives each rank its own GPU, cuda:LOCAL_RANK, but this rank's LOCAL_RANK "
             "is 1 and this machine has 1 CUDA device(s)") in done.stderr, done.stderr[-4000:]
