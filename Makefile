@@ -1,38 +1,45 @@
 # Quick start: `make demo` runs the main job, `make test` runs the tests.
 # Each target does all set-up first: a virtual environment with the pinned CPU torch
 # installed before the project, so the project's torch range is already satisfied.
-# The project goes in with its `demo` extra (scikit-learn, the demo's dataset) and its
-# `test` extra; `offloop` is then .venv/bin/offloop (on PATH after `. .venv/bin/activate`).
+# `make demo` installs the project with its `demo` extra only (scikit-learn, the demo's
+# dataset); `make test` adds the `test` extra (the integrations' libraries, pytest, ...),
+# which the demo does not need. `offloop` is then .venv/bin/offloop (on PATH after
+# `. .venv/bin/activate`).
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.offloop-installed
+DEMO_STAMP := $(VENV)/.offloop-demo-installed
+TEST_STAMP := $(VENV)/.offloop-test-installed
 TORCH_PIN := torch==2.13.0
 
 .PHONY: demo test bench lint setup system-deps clean
 
-$(STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
-	$(BIN)/python -m pip install --quiet -e '.[demo,test]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[demo]'
+	touch $@
 
-setup: $(STAMP)
+$(TEST_STAMP): $(DEMO_STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[demo,test]'
+	touch $@
+
+setup: $(TEST_STAMP)
 
 system-deps:
 	bash scripts/system-deps.sh
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/offloop demo
 
-test: $(STAMP) system-deps
+test: $(TEST_STAMP) system-deps
 	$(BIN)/python -m pytest
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check bus trainer workers offloop tests benchmarks
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/python benchmarks/bus.py
 
 clean:

@@ -2,8 +2,8 @@
 
 The callbacks share one worker process and run there in order, as Composer runs them;
 one that asks (`callback.in_own_process()`) gets a process of its own, or shares a named
-one. Each process is a program of its own
-(`python -m offloop.workers.spawned`), which never imports the user's main module, so a
+one. Each process is a program of its own (`offloop.workers.spawned`, started through
+`WORKER_BOOTSTRAP`), which never imports the user's main module, so a
 script without a `__main__` guard, code piped to `python -`, `python -c` and notebooks all
 work. Callbacks travel by value (cloudpickle) over a private socket pair, never over a
 socket another process can reach. The trainer waits until every worker is listening
@@ -14,12 +14,15 @@ worker lives through all of them, and a death between or during later fits is re
 and restarted like one in the first).
 
 The worker program is found by module name: `trainer` never imports `workers` (the design
-brief keeps them independent).
+brief keeps them independent). It is found on the trainer's own `sys.path`, in its order:
+`python -m` would put the working directory first, and a folder holding an `offloop/` of
+its own (a clone's root, an image's WORKDIR) would shadow the installed package.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import socket
 import subprocess
@@ -37,9 +40,26 @@ from offloop.bus.security import ClientKeys
 from offloop.trainer.decisions import decision_schedule
 from offloop.trainer.errors import ConfigError
 
-__all__ = ["CallbackWorkers", "WORKER_PROGRAM", "process_groups"]
+__all__ = ["CallbackWorkers", "WORKER_BOOTSTRAP", "WORKER_PROGRAM", "import_path", "process_groups"]
 
 WORKER_PROGRAM = "offloop.workers.spawned"
+#: The worker's `python -c` program, stdlib only until the path is the trainer's: `-c` puts the
+#: working directory first on sys.path, so it goes before the first import, and the settings
+#: (the trainer's sys.path first) are read before anything of offloop's or the user's loads.
+WORKER_BOOTSTRAP = f"""\
+import sys
+if sys.path[:1] == [""]:
+    del sys.path[0]
+import os, pickle
+from multiprocessing.connection import Connection
+fd = int(sys.argv[1])
+os.set_inheritable(fd, False)  # a process the callbacks start must not hold the trainer's pipe
+conn = Connection(fd)
+settings = pickle.loads(conn.recv_bytes())
+sys.path[:] = settings["sys_path"] + [p for p in sys.path if p not in settings["sys_path"]]
+from {WORKER_PROGRAM} import main
+main(conn, settings)
+"""
 _SERVE_EVERY = 0.05  # seconds: a boundary wait also serves requests this often without a wake-up
 #: seconds fit() waits at most for the worker drawing the progress bars to draw the last one
 PROGRESS_WAIT = 5.0
@@ -55,6 +75,13 @@ def process_groups(callbacks: list) -> list[list]:
     for callback in callbacks:
         groups.setdefault(getattr(callback, "process_group", None), []).append(callback)
     return [group for group in groups.values() if group]
+
+
+def import_path() -> list[str]:
+    """This process's sys.path as a child started elsewhere must see it: the working
+    directory's entry ("", from `python -`, `-c` or a notebook) made absolute."""
+    cwd = os.getcwd()
+    return [entry or cwd for entry in sys.path]
 
 
 def _serialized(callback: Any, what: str = "callback") -> bytes:
@@ -206,12 +233,12 @@ class CallbackWorkers:
     def _spawn(self, callbacks: list, payloads: list[bytes], index: int, loggers: list[bytes]) -> _Worker:
         ours, theirs = socket.socketpair()
         try:
-            popen = subprocess.Popen([sys.executable, "-m", WORKER_PROGRAM, str(theirs.fileno())],
+            popen = subprocess.Popen([sys.executable, "-c", WORKER_BOOTSTRAP, str(theirs.fileno())],
                                      pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
         conn = Connection(ours.detach())
-        settings = {"sys_path": list(sys.path), "run_dir": self.run_dir, "keys": self.keys,
+        settings = {"sys_path": import_path(), "run_dir": self.run_dir, "keys": self.keys,
                     "heartbeat_timeout": self.heartbeat_timeout, "nice": self.nice, "count": len(payloads),
                     "index": index, "loggers": len(loggers), "builtins": self._builtins if index == 0 else {}}
         conn.send_bytes(pickle.dumps(settings))

@@ -70,12 +70,16 @@ def _jsonable(value: Any) -> Any:
 
 class ConsoleLogger(LoggerDestination):
     """Lines on the console: `stream` a file object, or 'stdout' / 'stderr' (Composer's
-    console_stream; a name travels to a worker, an open stream does not)."""
+    console_stream; a name travels to a worker, an open stream does not).
 
-    def __init__(self, stream: TextIO | str | None = None, prefix: str = "") -> None:
+    `metrics=False` prints the callbacks' text alone (progress lines, a stopper's reason, a
+    checkpoint's path), as they would print in process, and no metric line per step: what
+    a Trainer's worker prints when the run has no loggers and `log_to_console=False`."""
+
+    def __init__(self, stream: TextIO | str | None = None, prefix: str = "", metrics: bool = True) -> None:
         if isinstance(stream, str) and stream not in ("stdout", "stderr"):
             raise ValueError(f"ConsoleLogger: stream must be 'stdout', 'stderr' or a file object, got {stream!r}")
-        self.stream, self.prefix = stream, prefix
+        self.stream, self.prefix, self.metrics = stream, prefix, metrics
 
     def _out(self) -> TextIO:
         if isinstance(self.stream, str):
@@ -83,10 +87,14 @@ class ConsoleLogger(LoggerDestination):
         return self.stream or sys.stdout
 
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        if not self.metrics:
+            return
         parts = ", ".join(f"{k}: {_fmt(v)}" for k, v in metrics.items())
         print(f"{self.prefix}[step {step}] {parts}", file=self._out(), flush=True)
 
     def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
+        if not self.metrics:
+            return
         print(f"{self.prefix}hyperparameters: {json.dumps(_jsonable(hparams))}", file=self._out(), flush=True)
 
     def log_text(self, text: str) -> None:

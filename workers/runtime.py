@@ -423,9 +423,13 @@ def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: ClientKey
         from offloop.workers.callbacks.progress import ProgressBar
 
         callbacks = [*callbacks, ProgressBar(**builtins["ProgressBar"])]
+    if not loggers:  # quiet as Composer's Trainer: the callbacks' text, no metric line per step
+        from offloop.workers.logger import ConsoleLogger
+
+        loggers = [ConsoleLogger(metrics=False)]
     try:
         worker = Worker(run_dir, callbacks, exit_on_fit_end=False, heartbeat_timeout=heartbeat_timeout,
-                        keys=keys, index=index, destinations=loggers or None)
+                        keys=keys, index=index, destinations=loggers)
         worker.connect()
     except Exception as exc:
         conn.send(("error", (None, f"could not join the run: {exc}")))

@@ -1,4 +1,6 @@
-"""The program a Trainer starts for its callbacks: `python -m offloop.workers.spawned FD`.
+"""The program a Trainer starts for its callbacks: `main(conn, settings)`, called by the
+trainer's bootstrap (`offloop.trainer.supervisor.WORKER_BOOTSTRAP`, run as `python -c`) once
+it has read the settings and put the trainer's sys.path in place.
 
 Promise: the user's main module is never imported again. The callbacks arrive by value
 (cloudpickled, as loky, Dask and Ray send them) over a private socket pair inherited from
@@ -20,7 +22,6 @@ import atexit
 import io
 import logging
 import os
-import pickle
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -30,17 +31,13 @@ log = logging.getLogger("offloop.worker")
 PIPE_BUF = 4096  # bytes a write() to a pipe puts in it at once, never interleaved (POSIX: 512 at least; Linux 4096)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(conn: Connection, settings: dict) -> None:
+    """Rebuild the callbacks and serve them. The bootstrap has already put the trainer's
+    import path first, so callbacks pickled by reference (a module beside the user's script,
+    an installed package) are found where the trainer found them."""
     whole_lines()
-    fd = int((argv if argv is not None else sys.argv[1:])[0])
-    os.set_inheritable(fd, False)  # a process the callbacks start must not hold the trainer's pipe
-    conn = Connection(fd)
-    settings = pickle.loads(conn.recv_bytes())
     if settings["nice"]:
         lower_priority(settings["nice"])
-    # the trainer's import path first: callbacks pickled by reference (a module beside the
-    # user's script, an installed package) are found where the trainer found them
-    sys.path[:] = settings["sys_path"] + [p for p in sys.path if p not in settings["sys_path"]]
     import cloudpickle
 
     callbacks = []
@@ -139,7 +136,3 @@ def lower_priority(nice: int) -> None:
                     pass  # that thread has ended
     except OSError as exc:
         log.warning("offloop: callback worker keeps part of the trainer's CPU priority: %s", exc)
-
-
-if __name__ == "__main__":
-    main()

@@ -42,7 +42,8 @@ USER_CODE = textwrap.dedent('''
     x = torch.randn(64, 4)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16)
     trainer = Trainer(torch.nn.Linear(4, 2), loader, "2ep", loss_fn=torch.nn.functional.cross_entropy,
-                      callbacks=[EpochLog(EPOCHS), LRMonitor()], run_dir=RUN_DIR)
+                      callbacks=[EpochLog(EPOCHS), LRMonitor()], run_dir=RUN_DIR,
+                      log_to_console=True)
     trainer.fit()
     trainer.close()
     print("TRAINED", trainer.timestamp.batch, flush=True)
@@ -69,7 +70,7 @@ def assert_trained_once_with_its_callbacks(done: subprocess.CompletedProcess, tm
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("USER CODE RAN") == 1, done.stdout  # not again in any worker
     assert "TRAINED 8" in done.stdout
-    assert "lr-SGD/group0" in done.stdout  # the built-in LRMonitor printed from its worker
+    assert "lr-SGD/group0" in done.stdout + done.stderr  # the built-in LRMonitor logged from its worker
     epochs = [json.loads(line) for line in (tmp_path / "epochs.jsonl").read_text().splitlines()]
     assert epochs == EPOCHS_SEEN  # the callback defined in the user's code ran in its worker
     assert "Traceback" not in done.stderr and "exited with code" not in done.stderr, done.stderr[-3000:]
@@ -87,6 +88,54 @@ def test_code_piped_to_python_stdin_trains_with_the_callbacks_it_defines(tmp_pat
 
 def test_code_given_to_python_c_trains_with_the_callbacks_it_defines(tmp_path):
     assert_trained_once_with_its_callbacks(run_python(["-c", user_code(tmp_path)], tmp_path), tmp_path)
+
+
+def shadowing_folder(folder: Path) -> Path:
+    """A working directory like a clone's root or the image's WORKDIR: a partial `offloop/` of
+    its own, and packages and modules named like ours. Importing any of them fails."""
+    for package in ("offloop", "bus", "workers"):
+        (folder / package).mkdir(parents=True)
+        (folder / package / "__init__.py").write_text(
+            f"raise ImportError('the working directory\\'s {package}/ shadowed the installed one')\n")
+    (folder / "trainer.py").write_text("raise ImportError('the working directory\\'s trainer.py shadowed ours')\n")
+    return folder
+
+
+def test_a_script_run_from_a_folder_holding_its_own_offloop_starts_its_workers_from_the_installed_one(tmp_path):
+    # the script lives elsewhere with a module of callbacks beside it (pickled by reference)
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "beside.py").write_text(textwrap.dedent("""
+        from offloop import Callback
+
+        class FitEndMark(Callback):
+            def __init__(self, path):
+                self.path = path
+
+            def fit_end(self, state, logger):
+                with open(self.path, "w") as out:
+                    out.write(type(self).__module__)
+    """))
+    script = code / "train_it.py"
+    script.write_text(user_code(tmp_path).replace(
+        "callbacks=[EpochLog(EPOCHS), LRMonitor()]",
+        f"callbacks=[EpochLog(EPOCHS), LRMonitor(), __import__('beside').FitEndMark({str(tmp_path / 'mark')!r})]"))
+    work = shadowing_folder(tmp_path / "work")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(script)], cwd=work, capture_output=True, text=True,
+                          timeout=180, env=env, stdin=subprocess.DEVNULL)
+    assert_trained_once_with_its_callbacks(done, tmp_path)
+    assert (tmp_path / "mark").read_text() == "beside"  # the module beside the script, found in the worker
+
+
+def test_the_installed_offloop_command_runs_from_a_folder_holding_its_own_offloop(tmp_path):
+    work = shadowing_folder(tmp_path / "work")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OFFLOOP_RUNS")}
+    done = subprocess.run([str(Path(sys.executable).parent / "offloop"), "demo", "--max-duration", "2ep"],
+                          cwd=work, capture_output=True, text=True, timeout=180, env=env,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "eval accuracy" in done.stdout and "shadowed" not in done.stderr
 
 
 def test_a_notebook_trains_with_a_callback_defined_in_one_of_its_cells(tmp_path):

@@ -13,7 +13,7 @@ import uuid
 
 import torch
 import torchmetrics
-from helpers.compose_local import ROOT, compose_config, read_yaml
+from helpers.compose_file import ROOT, compose_config, read_yaml
 from helpers.exporter_feed import ExporterFeed
 from helpers.prometheus_server import Prometheus, free_port, scrape, scrape_config
 from prometheus_client.parser import text_string_to_metric_families

@@ -12,6 +12,7 @@ from test_attach_tmux import tmux  # noqa: F401 (the fixture)
 from torch.utils.data import DataLoader, TensorDataset
 
 from offloop import Trainer
+from offloop.callbacks import LRMonitor
 from offloop.workers.callbacks.progress import render
 
 SCRIPT = """
@@ -58,6 +59,17 @@ def test_no_terminal_no_progress_worker_and_log_to_console_prints_lines(tmp_path
         chatty.fit()
     err = capfd.readouterr().err
     assert "[step 4] loss/train/total: " in err and "|" not in err
+
+
+def test_a_run_with_no_logger_and_no_progress_bar_prints_nothing_per_step(tmp_path, capfd):
+    # as Composer's: LRMonitor logs every step, and with no destination nothing is printed
+    with Trainer(torch.nn.Linear(8, 2), _data(), "10ep", loss_fn=F.cross_entropy, run_dir=tmp_path / "run",
+                 callbacks=[LRMonitor()], progress_bar=False) as trainer:
+        trainer.fit()
+        assert len(trainer.workers.workers) == 1  # the callback ran, in its worker
+    out, err = capfd.readouterr()
+    assert "lr-" not in out + err and "[step" not in out + err, (out + err)[-2000:]
+    assert len((out + err).splitlines()) < 5, (out + err)[-2000:]  # not a line per step (40 steps)
 
 
 def test_a_bar_renders_as_tqdm_draws_it():
