@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sleep this long in every training batch, to watch and steer the run by "
                              "hand (0.1 makes an epoch last about 2.5 s; default: 0)")
     parser.add_argument("--seed", type=int, default=17)
+    parser.add_argument("--autoresume", action="store_true",
+                        help="resume from the newest checkpoint in the run directory, if it has one "
+                             "(a restarted container carries on where SIGTERM's checkpoint left off)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address the run's sockets bind to (beyond loopback needs --keys or --insecure)")
     parser.add_argument("--keys", default=os.environ.get("OFFLOOP_KEYS"),
@@ -65,6 +68,12 @@ def digits_loaders(seed: int, batch_size: int = 64, step_delay: float = 0.0):
                        collate_fn=collate if step_delay > 0 else None)
     evaluation = DataLoader(TensorDataset(x[cut:], y[cut:]), batch_size=256)
     return train, evaluation
+
+
+def newest_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint written last in `folder` (an epoch's, a request's or SIGTERM's), if any."""
+    found = [path for path in folder.glob("*.pt") if path.is_file()]
+    return max(found, key=lambda path: path.stat().st_mtime_ns, default=None)
 
 
 def _require_scikit_learn() -> None:
@@ -118,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     slowed = f", slowed by {args.step_delay:g} s a batch" if args.step_delay else ""
     print(f"offloop demo: training an MLP on scikit-learn digits for up to {args.max_duration}{slowed}; "
           f"{len(callbacks)} callbacks in a worker process", flush=True)
+    resume_from = newest_checkpoint(run_dir / "checkpoints") if args.autoresume else None
     try:
         trainer = Trainer(
             model, train, args.max_duration,
@@ -129,9 +139,13 @@ def run(args: argparse.Namespace) -> int:
             progress_bar=False,  # the demo's own progress display is its first callback
             host=args.host, keys=args.keys, insecure=args.insecure,
             hparams={"lr": 1e-3, "batch_size": 64, "hidden": 128},
+            load_path=resume_from,
         )
     except ConfigError as exc:
         abort(str(exc))
+    if resume_from is not None:
+        print(f"offloop demo: resumed from {resume_from} at epoch {trainer.timestamp.epoch}, "
+              f"batch {trainer.timestamp.batch}", flush=True)
     hints = [(command("attach", run_dir), "live monitor (read-only)"),
              (command("checkpoint", run_dir), "write a checkpoint now"),
              (command("halt", run_dir), "stop after the current batch")]

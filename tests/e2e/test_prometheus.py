@@ -130,6 +130,12 @@ def test_the_lingered_for_scrape_is_written_whole_before_close_returns(free_port
     body.close()
     assert b"offloop_step" in text and not exporter._final_scrape.is_set()
     feed.event("fit_end", t + 2, (0, 3, 3, 96, 0), stopped_by=None, checkpoints=[])
+    health = {**environ, "PATH_INFO": "/-/healthy"}  # the compose healthcheck: no scrape
+    body = exporter._app(health, lambda status, headers: None)
+    assert b"".join(body) == b"OK\n"
+    if hasattr(body, "close"):
+        body.close()
+    assert not exporter._final_scrape.is_set()
     text, body = render()  # the final values, rendered but not yet written out
     assert b"offloop_step" in text and not exporter._final_scrape.is_set()
     body.close()  # the server closes a body after its last byte

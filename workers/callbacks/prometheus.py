@@ -76,6 +76,12 @@ _MEMORY = {
 }
 
 
+#: answers 200 while the exporter serves, without rendering the metrics (as Prometheus's own
+#: /-/healthy): a container healthcheck polling /metrics would take the final scrape that
+#: `linger` waits for away from Prometheus
+HEALTH_PATH = "/-/healthy"
+
+
 def _number(value: Any) -> float | None:
     """A plain number as a float; None for anything else (tensors, strings, bools)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -331,6 +337,9 @@ class PrometheusExporter(Callback):
         metrics = make_wsgi_app(registry)
 
         def app(environ, start_response):
+            if environ.get("PATH_INFO") == HEALTH_PATH:  # a healthcheck is no scrape: the linger waits on
+                start_response("200 OK", [("Content-Type", "text/plain")])
+                return [b"OK\n"]
             self._request.final = False
             body = metrics(environ, start_response)
             return _Written(body, self._final_scrape.set if self._request.final else None)
