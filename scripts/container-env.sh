@@ -23,8 +23,8 @@
 #     podman build -t offloop:latest --build-arg TORCH_INDEX_URL="$OFFLOOP_TORCH_INDEX_URL" .
 #     docker-compose ... up        (DOCKER_HOST points at the podman socket)
 #
-# Exit codes: 0 ready; 77 this machine cannot host podman (not root, no apt, packages
-# unavailable, containers cannot start): one line on stderr says why (tests skip); 1 any
+# Exit codes: 0 ready; 77 this machine cannot host podman (not root, no apt-get,
+# podman cannot start containers): one line on stderr says why (tests skip); 1 any
 # other failure (tests should fail: image bootstrap, build, service).
 set -euo pipefail
 
@@ -67,11 +67,11 @@ install_packages() {
   log "installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   timeout 600 apt-get update -qq >"$STATE_DIR/apt.log" 2>&1 \
-    || skip "apt-get update failed (see $STATE_DIR/apt.log)"
+    || die "apt-get update failed (see $STATE_DIR/apt.log)"
   # no recommends: they would pull in a Docker engine, a node exporter, crun, ...
   timeout 1200 apt-get install -y -qq --no-install-recommends "${missing[@]}" \
       >>"$STATE_DIR/apt.log" 2>&1 \
-    || skip "apt-get install ${missing[*]} failed (see $STATE_DIR/apt.log)"
+    || die "apt-get install ${missing[*]} failed (see $STATE_DIR/apt.log)"
 }
 timed "apt step" install_packages
 
