@@ -77,3 +77,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def containers():
+    """The container tier (tests/containers/): the machine prepared for podman once, and the
+    project's image built from its own Dockerfile (tests/helpers/containers.py says how)."""
+    from helpers.containers import IMAGE, Containers, environment
+
+    tier = Containers(environment())
+    tier.podman("build", "--quiet", "-t", IMAGE, "--build-arg",
+                f"TORCH_INDEX_URL={tier.env['OFFLOOP_TORCH_INDEX_URL']}", str(ROOT), timeout=1200)
+    return tier
