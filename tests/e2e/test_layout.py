@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers.packages import package_names
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -114,18 +115,29 @@ def test_dependencies_flow_one_way(package, forbidden):
 
 
 def test_every_package_folder_is_installed():
-    """pyproject.toml lists the packages by hand (package-dir maps the folders): a new
-    subpackage left off the list would work from this checkout and be missing once installed."""
+    """pyproject.toml lists the packages by hand: a new subpackage left off the list would
+    work from this checkout and be missing once installed."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    listed, dirs = set(config["packages"]), config["package-dir"]
-    found = set()
-    for name, folder in dirs.items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            parts = init.parent.relative_to(ROOT / folder).parts
-            found.add(".".join((name, *parts)))
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = package_names()
     assert found == listed, f"missing from pyproject: {sorted(found - listed)}; listed, not found: {sorted(listed - found)}"
+
+
+def test_the_checkouts_offloop_folder_is_the_whole_package(tmp_path):
+    """bus/, trainer/ and workers/ are offloop/bus, offloop/trainer, offloop/workers
+    (relative symlinks): no partial `offloop` exists for a working directory to put first,
+    and a reader goes from `offloop.bus` to a folder."""
+    for name in ("bus", "trainer", "workers"):
+        link = ROOT / "offloop" / name
+        assert link.is_symlink() and os.readlink(link) == f"../{name}", link
+    # the clone's root first on the path, as `python -` or `python -m` there puts it
+    code = ("import offloop.bus, offloop.trainer, offloop.workers.spawned as w, os; "
+            "print(os.path.dirname(os.path.dirname(w.__file__)))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**_clean_env(), "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip()) == ROOT / "offloop"
 
 
 def test_no_trainer_module_is_over_500_lines():

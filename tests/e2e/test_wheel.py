@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers.packages import package_names
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"pyproject.toml", "README.md", "offloop", "bus", "trainer", "workers"}
@@ -58,10 +59,7 @@ def test_the_wheel_holds_every_subpackage_and_no_tests(installed):
     wheel, _ = installed
     names = zipfile.ZipFile(wheel).namelist()
     packages = {name.rsplit("/", 1)[0].replace("/", ".") for name in names if name.endswith("/__init__.py")}
-    # what the checkout's folders install as (pyproject's package-dir)
-    folders = {"offloop": "offloop", "bus": "offloop.bus", "trainer": "offloop.trainer", "workers": "offloop.workers"}
-    expected = {".".join((package, *init.parent.relative_to(ROOT / folder).parts))
-                for folder, package in folders.items() for init in (ROOT / folder).rglob("__init__.py")}
+    expected = package_names()  # the checkout's offloop/, its symlinked folders followed
     assert packages == expected, f"missing: {sorted(expected - packages)}; extra: {sorted(packages - expected)}"
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "deploy/")) or "/tests/" in n]
 

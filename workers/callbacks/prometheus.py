@@ -337,7 +337,7 @@ class PrometheusExporter(Callback):
         metrics = make_wsgi_app(registry)
 
         def app(environ, start_response):
-            if environ.get("PATH_INFO") == HEALTH_PATH:  # a healthcheck is no scrape: the linger waits on
+            if environ.get("PATH_INFO") == HEALTH_PATH:  # not a scrape: the linger waits on for one
                 start_response("200 OK", [("Content-Type", "text/plain")])
                 return [b"OK\n"]
             self._request.final = False
