@@ -13,7 +13,7 @@ Sockets, all owned here::
 
 The proxy runs in libzmq without the GIL, so the publishing thread pays one
 non-blocking send per event and nothing more. A send that finds the proxy asleep wakes
-it, which costs the sender a cross-CPU wake-up (docs/benchmarks.md has the figure); a
+it, which costs the sender a cross-CPU wake-up (benchmarks/bus.py, `ratio_send_only`); a
 loop that publishes many events a step can `hold()` them and `release()` them in one
 burst, which wakes the proxy once. Subscribers of everything get each burst as one
 message (topic ``_burst``: one receive and one decode for a whole step's events);
@@ -89,7 +89,7 @@ MAX_SUBSCRIPTION_BYTES = 4096
 TRACKED_BYTES = 4096
 #: a counted message of one frame under 64 KiB (a burst of fast steps) is copied and sent
 #: untracked: a tracker wakes pyzmq's garbage-collector thread, which takes the GIL from the
-#: loop (docs/benchmarks.md, "Bursts sent untracked"). One is tracked whenever 1/TRACK_SHARE
+#: loop (benchmarks/trainer_overhead.py, `ratio_bus_on_mean`). One is tracked whenever 1/TRACK_SHARE
 #: of max_queued_bytes has gone untracked; its tracker stands for those before it too, as
 #: every connection takes messages in order
 TRACK_SHARE = 64
@@ -358,7 +358,7 @@ class Publisher:
             held[0] = (*held[0], self._released_ts)
         seq = self._advance(len(held))
         # each topic once (a burst holds a few), counted by list.count in C: Counter's Python
-        # layers cost a release more, cold (docs/benchmarks.md, "The burst interval")
+        # layers cost a release more, cold (benchmarks/bus.py, `burst_every_step_median_us`)
         tseq, first, topics = self._tseq, {}, list(map(_TOPIC, held))
         for topic in dict.fromkeys(topics):
             n = tseq.get(topic, 0)
@@ -464,10 +464,11 @@ class Publisher:
     def hold(self, interval: float = 0.0) -> None:
         """From now on, publish() keeps each event and numbers, encodes and sends it only
         at the next release() (a late joiner's state request releases first, so its state
-        has it), or at the next release_due() once
-        `interval` seconds have passed since the last burst left. Call release_due() at
-        every step of a loop and release() wherever it may pause. Held events leave in
-        order, as a burst; at most 256 wait, whatever the interval. While holding, publish
+        has it), or at the next release_due() once `interval` seconds have passed since the
+        last burst left or HOLD_AT_MOST (256) events wait. Call release_due() at every step
+        of a loop and release() wherever it may pause. Held events leave in order, as a
+        burst. publish() releases at once when HOLD_AT_MOST wait; held_publish() leaves that
+        count to release_due(), so a step of many events may hold more until its end. While holding, publish
         from one thread (the loop's): an event is kept without its ts when that is the very
         object the event before it had, and two publishing threads could interleave
         between that check and the append."""
@@ -485,7 +486,7 @@ class Publisher:
         a step of many microbatches may hold more until its end). A topic nobody wants
         returns False at once; one an open prefix may select goes through publish(). The
         trainer publishes each event through it: a call is a measurable share of a small
-        model's step (docs/benchmarks.md, "One call an event"). Same contract as publish()
+        model's step (benchmarks/trainer_overhead.py, `floor_bus_on_mean`). Same contract as publish()
         otherwise; valid while holding, from the publishing thread."""
         if not self._holding:
             raise RuntimeError("held_publish() needs hold() first: its events leave at release()")

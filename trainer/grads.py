@@ -12,8 +12,8 @@ blocks, is no less accurate; both overflow to inf alike); half types keep
 element (the fill, and backward adding into the buffer instead of handing it a fresh
 tensor), so on a model of large tensors the buffer costs more than it saves:
 `Trainer(contiguous_grads="auto")`, the default, adopts it only where the trainable
-tensors are small on average (`GradBuffer.pays_off`). The figures behind both choices
-are in docs/benchmarks.md ("Contiguous gradient buffer", "A model of real size").
+tensors are small on average (`GradBuffer.pays_off`). The figures behind both choices:
+benchmarks/trainer_overhead.py, `ratio_bus_off_mean` and `ratio_bus_off_large_mean`.
 Megatron's and DeepSpeed's contiguous gradient buffers do the same for their own reasons.
 
 What the optimizer sees is what `zero_grad(set_to_none=True)` gives it: each `.grad`

@@ -107,7 +107,7 @@ def describe_optimizer(opt: torch.optim.Optimizer) -> dict[str, Any]:
 def _cuda_memory(device: torch.device) -> dict[str, int]:
     """Allocator counters, read on the host: no device synchronisation. The nested dict is
     the allocator's own; memory_stats() and memory_allocated() flatten all of it in Python
-    first, several times the cost (docs/benchmarks.md, "On a GPU")."""
+    first, several times the cost (benchmarks/trainer_overhead.py --device cuda, `ratio_bus_on_mean`)."""
     stats = torch.cuda.memory_stats_as_nested_dict(device)
     allocated, reserved = stats.get("allocated_bytes", {}).get("all", {}), stats.get("reserved_bytes", {}).get("all", {})
     return {

@@ -28,7 +28,7 @@ class Emitter:
     methods: where nothing can be staged ahead of an event (the CPU) `emit` and `snapshot`
     are the publisher's `held_publish()` (a membership test, then a clock read and an
     append, or a False) and `release_due` its own, so an event costs the loop one frame,
-    the publisher's (docs/benchmarks.md, "One call an event"); on CUDA they keep the
+    the publisher's (benchmarks/trainer_overhead.py, `floor_bus_on_mean`); on CUDA they keep the
     stream in order behind snapshots still copying off the GPU; with no publisher they
     do nothing.
     """

@@ -346,7 +346,7 @@ class Trainer:
         if loss_fn is None:  # Composer's protocol: the model takes the batch, its loss() scores it
             inputs = micro
         else:  # an (input, target) pair; batches.pair() names what else it got (its first
-            # branch inline: a call is a measurable share of a small step, docs/benchmarks.md)
+            # branch inline: a call is a measurable share of a small step, trainer_overhead.py)
             inputs, targets = micro if isinstance(micro, (tuple, list)) and len(micro) == 2 else batches.pair(micro)
         outputs = self.model(inputs)
         emit(Topic.AFTER_FORWARD, now, micro_data)

@@ -14,7 +14,7 @@ Burst message (several events in one ZeroMQ message, for subscribers of everythi
 A burst numbers its events instead of carrying seq and tseq in each, and an event
 carries ``ts`` only where it differs from the event before it (the first always
 carries it); ``d`` may be nil for an event without fields, so a step's events are cheaper to
-pack and to decode (docs/benchmarks.md). A burst's events have consecutive
+pack and to decode (benchmarks/bus.py, `ratio_batched`). A burst's events have consecutive
 ``seq``: an event left out (a value the wire cannot carry) ends one burst and the
 next starts after it.
 Inside a burst, tensor descriptors number the burst's frames (1, 2, ... across all

@@ -52,7 +52,7 @@ from offloop.bus.wire.values import (
     topic_prefix,
 )
 
-# ormsgpack packs events (docs/benchmarks.md, runs 30-32, has what it saves). Whatever it
+# ormsgpack packs events (benchmarks/bus.py, `floor_batched_ormsgpack_us`, what it saves). Whatever it
 # would encode by a convention of its own (dataclasses, datetimes, UUIDs, enums) or refuse
 # with a message of its own (ints past 64 bits) goes to EventEncoder._default instead, so the
 # wire carries what msgpack's packer did and decoders read: nothing is converted silently.

@@ -1,4 +1,5 @@
-"""Every built-in callback, importable from here: `from workers.callbacks import EarlyStopper`.
+"""Every built-in callback, importable from here:
+`from offloop.workers.callbacks import EarlyStopper` (or `from offloop.callbacks import ...`).
 
 Names resolve lazily (PEP 562), so `offloop worker` loads only the callbacks it runs
 and a read-only command never imports torch through this package.
