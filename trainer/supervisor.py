@@ -117,7 +117,10 @@ class _Process:
         self.popen.terminate()
 
 
-class _Worker:
+class _WorkerProcess:
+    """The trainer's side of one worker process: its callbacks, its pipe, what it last
+    reported. (The runtime inside that process is `offloop.workers.runtime.Worker`.)"""
+
     def __init__(self, callbacks: list, payloads: list[bytes], process, conn, loggers: list[bytes]) -> None:
         self.callbacks, self.payloads, self.process, self.conn = callbacks, payloads, process, conn
         self.loggers = loggers  # the run's loggers, serialized: the shared worker holds them
@@ -199,7 +202,7 @@ class CallbackWorkers:
         self.closing = False
         self.run_dir = run_dir
         self.ready_timeout = ready_timeout
-        self.workers: list[_Worker] = []
+        self.workers: list[_WorkerProcess] = []
         self.crashes: list[str] = []
         #: logger calls lost with workers ended behind them (each as it last reported its queue)
         self.logs_lost = 0
@@ -230,7 +233,7 @@ class CallbackWorkers:
                                         name="offloop-supervisor")
         self._thread.start()
 
-    def _spawn(self, callbacks: list, payloads: list[bytes], index: int, loggers: list[bytes]) -> _Worker:
+    def _spawn(self, callbacks: list, payloads: list[bytes], index: int, loggers: list[bytes]) -> _WorkerProcess:
         ours, theirs = socket.socketpair()
         try:
             popen = subprocess.Popen([sys.executable, "-c", WORKER_BOOTSTRAP, str(theirs.fileno())],
@@ -244,9 +247,9 @@ class CallbackWorkers:
         conn.send_bytes(pickle.dumps(settings))
         for payload in payloads + loggers:
             conn.send_bytes(payload)
-        return _Worker(callbacks, payloads, _Process(popen), conn, loggers)
+        return _WorkerProcess(callbacks, payloads, _Process(popen), conn, loggers)
 
-    def _restart(self, worker: _Worker) -> None:
+    def _restart(self, worker: _WorkerProcess) -> None:
         """Start a fresh process for a worker that died; it carries on from the late-join state."""
         if self._stopping or worker.restarts >= self.max_restarts:
             return
@@ -267,7 +270,7 @@ class CallbackWorkers:
                 if ready is worker.conn and not self._message(worker):
                     self._ended(worker)
 
-    def _ended(self, worker: _Worker) -> None:
+    def _ended(self, worker: _WorkerProcess) -> None:
         """Its socket pair closed: the process is ending; wait for it, then judge the end."""
         worker.process.join(timeout=30)
         worker.gone = True
@@ -280,7 +283,7 @@ class CallbackWorkers:
         if worker.ready:
             self._restart(worker)
 
-    def _message(self, worker: _Worker) -> bool:
+    def _message(self, worker: _WorkerProcess) -> bool:
         """Handle one message; False once the worker's end is closed."""
         try:
             kind, payload = worker.conn.recv()
@@ -309,7 +312,7 @@ class CallbackWorkers:
                     log.warning("offloop: worker %s: %s", worker.name, worker.error)
         return True
 
-    def _dead(self, worker: _Worker, why: str) -> None:
+    def _dead(self, worker: _WorkerProcess, why: str) -> None:
         with self._lock:
             if worker.reported_dead:
                 return
@@ -392,7 +395,7 @@ class CallbackWorkers:
                             "handled fit_end" if worker.fits_seen < self.fits else "logged everything up to fit_end",
                             timeout)
 
-    def _behind(self, worker: _Worker, callbacks_only: bool = False) -> bool:
+    def _behind(self, worker: _WorkerProcess, callbacks_only: bool = False) -> bool:
         """It has not handled the last fit_end or (but with `callbacks_only`) its loggers have
         calls before it still to make."""
         return worker.fits_seen < self.fits or not callbacks_only and worker.fits_delivered < self.fits
