@@ -36,7 +36,7 @@ from offloop.bus.security import ClientKeys, client_keys_for, endpoint_keys
 from offloop.bus.subscriber import SubscriberStats
 from offloop.workers import callback_state
 from offloop.workers.callback import Callback
-from offloop.workers.logger import Logger, LoggerDestination
+from offloop.workers.logger import ConsoleLogger, Logger, LoggerDestination
 from offloop.workers.state import State
 
 __all__ = ["Worker", "WorkerStats", "serve_trainer_callbacks", "StopTrainingError"]
@@ -408,8 +408,6 @@ def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: ClientKey
     Trainer logs itself (TrainerMetrics, first) and its callbacks log there too."""
     builtins = builtins or {}
     if "ConsoleLogger" in builtins:
-        from offloop.workers.logger import ConsoleLogger
-
         loggers = [*(loggers or []), ConsoleLogger(**builtins["ConsoleLogger"])]
     if loggers:
         from offloop.workers.callbacks.trainer_metrics import TrainerMetrics
@@ -424,8 +422,6 @@ def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: ClientKey
 
         callbacks = [*callbacks, ProgressBar(**builtins["ProgressBar"])]
     if not loggers:  # quiet as Composer's Trainer: the callbacks' text, no metric line per step
-        from offloop.workers.logger import ConsoleLogger
-
         loggers = [ConsoleLogger(metrics=False)]
     try:
         worker = Worker(run_dir, callbacks, exit_on_fit_end=False, heartbeat_timeout=heartbeat_timeout,

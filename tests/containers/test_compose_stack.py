@@ -14,9 +14,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers.containers import ROOT, HealthDriver, wait_until
+from helpers.containers import ROOT, HealthDriver
+from helpers.waiting import wait_until
 
 SERVICES = ["keys", "trainer", "monitor", "stopper", "exporter", "prometheus"]
+POLL = 0.5  # seconds between polls: each asks podman or Prometheus
 
 # the first test of the tier also prepares the machine and builds the image (minutes)
 pytestmark = pytest.mark.timeout(1500)
@@ -87,7 +89,7 @@ def test_compose_up_trains_monitors_halts_exports_and_is_scraped(stack):
         assert up.exit_code("keys", timeout=60) == 0, up.logs("keys")
         # Prometheus reads the run from the exporter over the compose network
         scraped = wait_until(lambda: prometheus_query('offloop_step{job="offloop", run="demo"}'), 120,
-                             "Prometheus to scrape offloop_step from the exporter")
+                             "Prometheus to scrape offloop_step from the exporter", POLL)
         assert scraped[0]["metric"]["instance"].startswith("exporter:")
         assert up.exit_code("trainer", timeout=180) == 0, up.logs("trainer")[-3000:]
         for service in ("monitor", "stopper", "exporter"):
@@ -96,7 +98,7 @@ def test_compose_up_trains_monitors_halts_exports_and_is_scraped(stack):
     final = up.run_json()["extra"]["progress"]["batch"]
     steps = 'max_over_time(offloop_step{job="offloop", run="demo"}[10m])'
     wait_until(lambda: any(float(r["value"][1]) == final for r in prometheus_query(steps)), 30,
-               f"the run's last step, {final}, in Prometheus (it has {prometheus_query(steps)})")
+               f"the run's last step, {final}, in Prometheus", POLL)
     trainer = up.logs("trainer")
     assert "eval accuracy" in trainer and "stopped by    EarlyStopper-" in trainer, trainer[-3000:]
     # the stopper service halted the run: its worker is its container's process 1 (await_run
@@ -113,7 +115,7 @@ def test_a_stopped_trainer_checkpoints_and_up_again_resumes_at_that_batch(stack)
     with HealthDriver(up.containers, up.project):
         up.compose("up", "-d", "--no-build", "keys", "trainer")
         # run.json holds the progress once the run ends; the trainer's own progress lines say it now
-        wait_until(lambda: "Starting epoch 2" in up.logs("trainer"), 120, "the trainer to start its second epoch")
+        wait_until(lambda: "Starting epoch 2" in up.logs("trainer"), 120, "the trainer to start its second epoch", POLL)
         up.compose("stop", "trainer", timeout=120)  # SIGTERM, then SIGKILL after the 60 s grace
         # 143 (128 + SIGTERM) is the trainer's own exit after its checkpoint; a SIGKILL would be 137
         assert up.exit_code("trainer", timeout=30) == 143, up.logs("trainer")[-3000:]
@@ -134,15 +136,15 @@ def test_killing_the_monitor_leaves_the_trainer_alone_and_a_restarted_monitor_re
     up = stack(OFFLOOP_STEP_DELAY="0.1", OFFLOOP_MAX_DURATION="8ep")
     with HealthDriver(up.containers, up.project):
         up.compose("up", "-d", "--no-build", "keys", "trainer", "monitor", "exporter")
-        wait_until(lambda: "Starting epoch" in up.logs("monitor"), 120, "the monitor to follow the run")
+        wait_until(lambda: "Starting epoch" in up.logs("monitor"), 120, "the monitor to follow the run", POLL)
         epochs_seen = up.logs("monitor").count("Starting epoch")
         up.containers.podman("kill", up.name("monitor"))  # SIGKILL: exit 137, restart: on-failure
         trained = up.logs("trainer").count("Starting epoch")  # the trainer's own progress lines
         wait_until(lambda: up.logs("trainer").count("Starting epoch") > trained, 60,
-                   "the trainer to go on to its next epoch without the monitor")
+                   "the trainer to go on to its next epoch without the monitor", POLL)
         up.compose("up", "-d", "--no-build", "monitor")  # what `restart: on-failure` does under a Docker engine
         wait_until(lambda: up.logs("monitor").count("Starting epoch") > epochs_seen, 120,
-                   "the restarted monitor to re-attach and follow the next epoch")
+                   "the restarted monitor to re-attach and follow the next epoch", POLL)
         assert up.exit_code("trainer", timeout=180) == 0, up.logs("trainer")[-3000:]
         assert up.exit_code("exporter", timeout=120) == 0, up.logs("exporter")[-3000:]
         assert up.exit_code("monitor", timeout=60) == 0, up.logs("monitor")[-3000:]

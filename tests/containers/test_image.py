@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from helpers.containers import IMAGE
 
@@ -16,15 +18,12 @@ def test_the_images_default_command_trains_the_demo_and_exits_0(containers):
 
 
 def test_nothing_in_the_images_working_directory_shadows_the_installed_package(containers):
-    probe = ("import os, offloop, offloop.workers.spawned as w; "
-             "print(os.getcwd(), sorted(os.listdir()), os.path.dirname(w.__file__), os.getuid())")
-    done = containers.podman("run", "--rm", IMAGE, "python", "-c", probe, timeout=120)
-    cwd, rest = done.stdout.strip().split(" ", 1)
-    listing, rest = rest.split("] ", 1)
-    folder, uid = rest.rsplit(" ", 1)
-    assert "offloop" not in listing and "bus" not in listing and "workers" not in listing, listing
-    assert "site-packages" in folder or "dist-packages" in folder, folder  # the installed wheel
-    assert uid == "10001"  # the image's unprivileged user
+    probe = ("import json, os, offloop.workers.spawned as w; print(json.dumps({'listing': os.listdir(), "
+             "'module': os.path.dirname(w.__file__), 'uid': os.getuid()}))")
+    seen = json.loads(containers.podman("run", "--rm", IMAGE, "python", "-c", probe, timeout=120).stdout)
+    assert not {"offloop", "bus", "trainer.py", "workers"} & set(seen["listing"]), seen
+    assert "site-packages" in seen["module"] or "dist-packages" in seen["module"], seen  # the installed wheel
+    assert seen["uid"] == 10001  # the image's unprivileged user
     # the compose file's healthcheck, by its absolute path: unhealthy, saying why, with no run
     healthcheck = containers.podman("run", "--rm", IMAGE, "python", "/opt/offloop/deploy/healthcheck.py",
                                     "run", "nowhere", timeout=60, check=False)

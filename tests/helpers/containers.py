@@ -12,13 +12,11 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-__all__ = ["Containers", "HealthDriver", "IMAGE", "ROOT", "environment", "wait_until"]
+__all__ = ["Containers", "HealthDriver", "IMAGE", "ROOT", "environment"]
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "offloop:latest"
@@ -53,17 +51,6 @@ class Containers:
 
     def podman(self, *args: str, **kw) -> subprocess.CompletedProcess:
         return self.run("podman", *args, **kw)
-
-
-def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.5):
-    """condition()'s first truthy value, polled; fails the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} within {timeout:.0f}s"
-        time.sleep(interval)
 
 
 class HealthDriver:
