@@ -267,7 +267,7 @@ def main() -> None:
                       "events_per_step": STEP_EVENTS,
                       "burst_every_step_median_us": step_med / STEP_EVENTS,
                       "burst_every_step_p99_us": step_p99 / STEP_EVENTS,
-                      "publisher_drops": pub.drops}), flush=True)
+                      "publisher_drops": pub.stats.drops}), flush=True)
     pub.close(linger=0.1)
     reader.kill()
 
@@ -277,14 +277,14 @@ def main() -> None:
                              expect=10**12)
     single_med, single_p99 = timed(lambda: pub.publish("batch_end", TS, PAYLOAD), args.calls)
     print(json.dumps({"case": "scalar_single", "median_us": single_med, "p99_us": single_p99,
-                      "ratio": single_med / floor_med, "publisher_drops": pub.drops}), flush=True)
+                      "ratio": single_med / floor_med, "publisher_drops": pub.stats.drops}), flush=True)
 
     unsub_med, unsub_p99 = timed(lambda: pub.publish("after_forward", TS, None), args.calls)
     print(json.dumps({"case": "unsubscribed", "median_us": unsub_med, "p99_us": unsub_p99}),
           flush=True)
 
     tensor = torch.randn(512, 512)  # 1 MiB of float32
-    frames = pub._encoder.encode("eval_batch_end", 0, 0, TS, {"outputs": tensor})
+    frames = pub.outbox.encoder.encode("eval_batch_end", 0, 0, TS, {"outputs": tensor})
     zero_copy = _address(frames[1]) == tensor.data_ptr()
     tensor_med, tensor_p99 = timed(
         lambda: pub.publish("eval_batch_end", TS, {"outputs": tensor}), min(args.calls, 2000))
@@ -362,7 +362,7 @@ def sustained(n: int, held: bool, unbounded: bool = False) -> dict:
     seconds = max(result["seconds"], sent_s)
     return {"events": n, "received": result["received"], "gaps": result["gaps"],
             "duplicates": result["duplicates"], "malformed": result["malformed"],
-            "publisher_drops": pub.drops, "publish_s": round(sent_s, 3),
+            "publisher_drops": pub.stats.drops, "publish_s": round(sent_s, 3),
             "events_per_s": result["received"] / seconds}
 
 

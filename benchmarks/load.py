@@ -161,7 +161,7 @@ def run_case(n_subs: int, events: int, timeout: float, nice: int, relayed: bool 
         wall_chunks.append((time.perf_counter() - w0) / count * 1e6)
         cpu_chunks.append((time.thread_time() - c0) / count * 1e6)
     wall_s, cpu_s = time.perf_counter() - wall_start, time.thread_time() - cpu_start
-    published = pub._tseq.get("batch_end", 0)
+    published = pub.topic_seq("batch_end")
 
     results = [out.get(timeout=timeout + 60) for _ in procs]
     process_s = time.process_time() - process_start  # until every subscriber has accounted for all
@@ -176,7 +176,7 @@ def run_case(n_subs: int, events: int, timeout: float, nice: int, relayed: bool 
         "case": f"{n_subs}_subscriber" + ("s" if n_subs > 1 else "") + ("_relayed" if relayed else ""),
         "nice": nice,
         "subscribers": n_subs, "events": events, "published": published,
-        "publisher_drops": pub.drops,
+        "publisher_drops": pub.stats.drops,
         "gaps": sum(r["gaps"] for r in results),
         "duplicates": sum(r["duplicates"] for r in results),
         "received_fraction": round(sum(r["received"] for r in results) / (published * n_subs), 4),

@@ -259,7 +259,7 @@ class OffloopLoop:
         self.trainer.fit(duration=f"{self.epochs}ep")
 
     def close(self) -> dict:
-        drops = self.trainer.publisher.drops if self.trainer.publisher is not None else 0
+        drops = self.trainer.publisher.stats.drops if self.trainer.publisher is not None else 0
         self.trainer.close()
         reports = [worker.report for worker in self.trainer.workers.workers]
         return {"publisher_drops": drops, "worker_gaps": sum((r or {}).get("gaps", 0) for r in reports)}

@@ -357,7 +357,7 @@ class TrainerLoop:
     def close(self) -> dict:
         trainer = self.trainer
         try:
-            drops = trainer.publisher.drops if trainer.publisher is not None else 0
+            drops = trainer.publisher.stats.drops if trainer.publisher is not None else 0
             trainer.close()
             reports = [w.report for w in trainer.workers.workers]
         finally:

@@ -84,7 +84,7 @@ class Emitter:
     def unencodable(self) -> int:
         """Snapshots that could not be published (a value the wire cannot carry): counted
         and logged, never raised into the training loop."""
-        return self._refused + (self.publisher.unencodable if self.publisher is not None else 0)
+        return self._refused + (self.publisher.stats.unencodable if self.publisher is not None else 0)
 
     def release(self) -> None:
         """Send the held events now: wherever the loop may pause (release_due() is the

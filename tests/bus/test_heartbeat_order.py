@@ -39,7 +39,7 @@ def test_a_heartbeat_never_overtakes_queued_events_so_nothing_is_counted_lost_or
     finally:
         sub.close()
         pub.close(linger=0.1)
-    assert pub.drops == 0 and sent == ROUNDS * EVENTS
+    assert pub.stats.drops == 0 and sent == ROUNDS * EVENTS
 
 
 def test_a_joiners_state_waits_until_its_topics_are_sent():

@@ -54,7 +54,7 @@ def test_a_heartbeat_comes_every_interval_and_carries_the_latest_sequence_number
         while sub.stats.heartbeats < beats + 10 and time.monotonic() - started < 5:
             sub.recv(timeout=0.05)
         assert sub.stats.heartbeats >= beats + 10, "fewer than 10 heartbeats in 5 s at an interval of 0.1 s"
-        assert sub.stats.gaps == 0 and publisher.beats >= 10
+        assert sub.stats.gaps == 0 and publisher.stats.beats >= 10
 
 
 def _peer_sends(endpoint: str, message: bytes) -> None:
@@ -73,7 +73,7 @@ def test_a_message_that_is_not_a_subscription_changes_no_subscription_and_is_cou
         sub.connect()
         wait_until(lambda: publisher.wants("batch_end"), 5, "the subscription")
         _peer_sends(publisher.endpoints["events"], b"X" + BURST_PREFIX)  # read as "unsubscribe" before
-        wait_until(lambda: publisher.foreign_messages == 1, 5, "the foreign message counted")
+        wait_until(lambda: publisher.stats.foreign_messages == 1, 5, "the foreign message counted")
         assert publisher.wants("batch_end")
         publisher.publish("batch_end", (0, 1, 1, 1, 0), {"i": 1})
         assert sub.recv(timeout=5).data == {"i": 1}
@@ -81,7 +81,7 @@ def test_a_message_that_is_not_a_subscription_changes_no_subscription_and_is_cou
         _peer_sends(publisher.endpoints["events"], b"\x01" + b"x" * (8 << 20))
         publisher.publish("batch_end", (0, 2, 2, 2, 0), {"i": 2})
         assert sub.recv(timeout=5).data == {"i": 2}
-        assert publisher.foreign_messages == 1 and publisher.wants("batch_end")
+        assert publisher.stats.foreign_messages == 1 and publisher.wants("batch_end")
 
 
 def test_many_open_prefixes_are_matched_as_one_and_a_subscriber_still_gets_its_topic(publisher):
@@ -94,8 +94,8 @@ def test_many_open_prefixes_are_matched_as_one_and_a_subscriber_still_gets_its_t
         for i in range(100):  # open prefixes: not whole topics
             sub.setsockopt(zmq.SUBSCRIBE, f"zz{i}".encode())
         sub.setsockopt(zmq.SUBSCRIBE, b"cust")
-        wait_until(lambda: publisher.prefix_overflow, 5, "the prefixes to be tracked")
-        assert publisher._open_prefixes == ("",)  # one startswith on the training thread, not 101
+        wait_until(lambda: publisher.stats.prefix_overflow, 5, "the prefixes to be tracked")
+        assert publisher.interest.open_prefixes == ("",)  # one startswith on the training thread, not 101
         for _ in range(50):  # until the subscription has reached the events socket
             publisher.publish("custom_metric", (0, 1, 1, 1, 0), {"x": 1})
             if sub.poll(100):
@@ -112,7 +112,7 @@ def test_many_open_prefixes_are_matched_as_one_and_a_subscriber_still_gets_its_t
 def test_a_backlog_of_late_join_requests_is_answered_in_rounds_with_one_settle_wait_each(publisher, monkeypatch):
     import zmq
 
-    import offloop.bus.publisher as module
+    import offloop.bus.late_join as module
     from offloop.bus.wire import encode_request
 
     settles = []
@@ -129,10 +129,10 @@ def test_a_backlog_of_late_join_requests_is_answered_in_rounds_with_one_settle_w
         while replies < 200 and dealer.poll(10_000):
             frames = dealer.recv_multipart()
             replies += 1
-        assert replies == 200 and publisher.state_requests == 200
+        assert replies == 200 and publisher.stats.state_requests == 200
     finally:
         dealer.close(linger=0)
         ctx.term()
-    waits = [s for s in settles if s == module._SUBSCRIPTION_SETTLE]
+    waits = [s for s in settles if s == module.SUBSCRIPTION_SETTLE]
     assert len(waits) <= 20  # one a round of up to STATE_BATCH (64), not one a request (200 before)
     assert frames  # each answer a whole state: header then its entries

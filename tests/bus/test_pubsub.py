@@ -70,7 +70,7 @@ def every_and_one(publisher, topic):
                        topics=[topic], settle=0.2) as one:
         every.connect()
         one.connect()
-        wait_until(lambda: publisher._burst and topic in publisher._single)
+        wait_until(lambda: publisher.interest.bursts and topic in publisher.interest.single)
         yield every, one
 
 
@@ -146,7 +146,7 @@ def test_a_subscriber_that_stops_reading_in_another_process_costs_the_publisher_
                     for i in range(2, total + 1)]
         # Every publish() has returned while the subscriber is stopped: one that waited for
         # room in its queues would never have returned (the test's timeout, not a pass).
-        drops, beats = pub.drops, pub.beats
+        drops, beats = pub.stats.drops, pub.stats.beats
         wait_until(lambda: watcher.recv(timeout=0.05) is None and watcher._latest_beat > beats, timeout=30,
                    what="a heartbeat sent after the last event")
         go.touch()
@@ -184,17 +184,17 @@ def test_what_waits_for_a_stopped_subscriber_is_bounded_in_bytes_and_each_drop_i
         before = _rss_bytes()
         sent = sum(pub.publish("batch_end", (0, i, i, i, 0), {"i": i, "pad": bytes([i % 256]) * mib})
                    for i in range(2, total + 1))  # each message its own MiB of memory
-        grown, held = _rss_bytes() - before, pub.queued_bytes
+        grown, held = _rss_bytes() - before, pub.stats.queued_bytes
         go.touch()
         child.line()
         report = child.line(timeout=60)
     finally:
         pub.close(linger=0.3)
     assert held <= 32 * mib and grown < 96 * mib, (held, grown)  # 400 MiB before the bound
-    assert pub.byte_drops > 300 and pub.drops == pub.byte_drops and sent == total - 1 - pub.drops
+    assert pub.stats.byte_drops > 300 and pub.stats.drops == pub.stats.byte_drops and sent == total - 1 - pub.stats.drops
     # the subscriber counted exactly what it missed, and was told why (heartbeats carry drops)
     assert report["received"] + report["gaps"] == total and report["duplicates"] == 0
-    assert report["publisher_drops"] == pub.byte_drops
+    assert report["publisher_drops"] == pub.stats.byte_drops
 
 
 def test_bursts_of_fast_steps_are_bounded_in_bytes_without_a_tracker_each(spawn, tmp_path):
@@ -214,19 +214,19 @@ def test_bursts_of_fast_steps_are_bounded_in_bytes_without_a_tracker_each(spawn,
         zero_copy_before = len(garbage.gc.refs)
         sent = sum(pub.publish("batch_end", (0, i, i, i, 0), {"i": i, "pad": bytes([i % 256]) * 8000})
                    for i in range(2, total + 1))  # 32 MiB in messages of 8 KiB
-        held, zero_copy = pub.queued_bytes, len(garbage.gc.refs) - zero_copy_before
+        held, zero_copy = pub.stats.queued_bytes, len(garbage.gc.refs) - zero_copy_before
         go.touch()
         child.line()
         report = child.line(timeout=60)
     finally:
         pub.close(linger=0.3)
-    assert held <= bound and pub.byte_drops > 0 and pub.drops == pub.byte_drops
-    assert sent == total - 1 - pub.drops
+    assert held <= bound and pub.stats.byte_drops > 0 and pub.stats.drops == pub.stats.byte_drops
+    assert sent == total - 1 - pub.stats.drops
     # the messages pyzmq holds without a copy, each woken for by its garbage collector: one
     # in every 8 at most (64 KiB / 8 KiB), where each of them was one before (bound / 8 KiB)
     assert zero_copy <= bound // (64 << 10) + 1, zero_copy
     assert report["received"] + report["gaps"] == total and report["duplicates"] == 0
-    assert report["publisher_drops"] == pub.byte_drops
+    assert report["publisher_drops"] == pub.stats.byte_drops
 
 
 def test_late_joiner_gets_config_and_latest_of_every_topic_at_once(spawn):
@@ -294,7 +294,7 @@ def _tail_loss_is_counted(total: int) -> bool:
             # not read while these are sent: its queues fill, and what comes after is dropped
             assert all([pub.publish("batch_end", (0, i, i, i, 0), {"i": i, "pad": PAD})
                         for i in range(1, total + 1)])
-            assert pub.drops == 0  # every one left the publisher: the loss is on the way
+            assert pub.stats.drops == 0  # every one left the publisher: the loss is on the way
             got, deadline = [], time.monotonic() + 20
             while sub.stats.received + sub.stats.gaps < total and time.monotonic() < deadline:
                 msg = sub.recv(timeout=0.1)
@@ -347,12 +347,12 @@ def test_publisher_queue_full_is_a_counted_drop():
         sub.connect()
         sent = sum(pub.publish("batch_end", (0, i, i, i, 0), {"pad": b"x" * 4096})
                    for i in range(20000))
-        assert pub.drops > 0 and sent + pub.drops == 20000
+        assert pub.stats.drops > 0 and sent + pub.stats.drops == 20000
         deadline = time.monotonic() + 10
         while sub.stats.received + sub.stats.gaps < 20000 and time.monotonic() < deadline:
             sub.recv(timeout=0.1)
         assert sub.stats.received + sub.stats.gaps == 20000
-        assert sub.stats.gaps >= pub.drops
+        assert sub.stats.gaps >= pub.stats.drops
         sub.close()
     finally:
         pub.close(linger=0.1)
@@ -477,7 +477,7 @@ def test_held_publish_shares_the_burst_layout_with_publish_and_leaves_at_release
     a, b = (0, 1, 1, 32, 0), (0, 2, 2, 64, 0)
     publisher.hold(interval=60.0)  # never due by time here: only the count sends
     fast = publisher.held_publish()
-    assert fast("after_forward", a) is False and not publisher._held  # nobody wants it yet
+    assert fast("after_forward", a) is False and not publisher.held.queue  # nobody wants it yet
     with every_and_one(publisher, "after_loss") as (every, one):
         fast("batch_start", a, {"i": 1})
         publisher.publish("after_loss", a, {"i": 2})  # shares a with the entry before it
@@ -535,7 +535,7 @@ def test_a_late_joiners_state_is_each_topics_latest_after_hundreds_of_releases_a
 
 
 def test_reserved_topics_are_refused_and_unencodable_held_events_are_counted_not_raised(publisher):
-    publisher._open_prefixes = ("",)  # as with a subscriber of everything
+    publisher.interest.open_prefixes = ("",)  # as with a subscriber of everything
     for topic in ("_hb", "_burst", "_mine", "a\0b"):
         with pytest.raises(WireError):
             publisher.publish(topic, (0, 0, 0, 0, 0), {})
@@ -550,7 +550,7 @@ def test_reserved_topics_are_refused_and_unencodable_held_events_are_counted_not
         publisher.publish("batch_end", ts, {"deep": deep})
         publisher.publish("batch_end", ts, {"i": 5})
         publisher.release()  # does not raise
-        assert publisher.unencodable == 2
+        assert publisher.stats.unencodable == 2
         got = [sub.recv(timeout=2) for _ in range(3)]
         assert [(m.data["i"], m.seq, m.tseq, m.ts) for m in got] == [
             (1, 1, 1, (0, 1, 1, 1, 0)), (3, 3, 3, ts), (5, 5, 5, ts)]

@@ -155,11 +155,11 @@ def test_a_monitor_that_stops_reading_counts_exactly_what_the_relays_queue_dropp
         with a_relay(run_dir, tmp_path / "announced", "--subscriber-hwm", "50") as (relay, relayed):
             with Subscriber(relayed.endpoints["events"], topics=["pad"], rcvhwm=10, settle=0.3) as slow:
                 slow.connect(join_timeout=10)
-                wait_until(lambda: "pad" in pub._single, 10, "the subscription to reach the trainer")
+                wait_until(lambda: "pad" in pub.interest.single, 10, "the subscription to reach the trainer")
                 pad = b"x" * (64 << 10)
                 for i in range(3000):  # far more than the relay's queue, both TCP buffers and ours
                     pub.publish("pad", (0, i, i, i, 0), {"pad": pad})
-                published = pub._tseq["pad"]
+                published = pub.topic_seq("pad")
                 drain(slow, published)
                 assert slow.stats.gaps > 0  # something was lost, and counted
                 assert slow.stats.received + slow.stats.gaps == published
@@ -192,7 +192,7 @@ def test_control_through_the_relay_is_applied_once_and_acked(tmp_path):
 def test_the_trainer_answers_a_relayed_envelope_and_refuses_other_layouts(tmp_path):
     with a_run(tmp_path) as (pub, control, run_dir), acking(control, step=1):
         ctx = zmq.Context.instance()
-        for endpoint, counter in ((pub.endpoints["state"], lambda: pub.bad_requests),
+        for endpoint, counter in ((pub.endpoints["state"], lambda: pub.stats.bad_requests),
                                   (control.endpoint, lambda: control.stats.malformed)):
             dealer = ctx.socket(zmq.DEALER)
             dealer.linger = 0

@@ -652,8 +652,8 @@ def test_bad_requests_at_the_state_socket_are_counted_and_heartbeats_keep_flowin
             if waived:
                 tried[f"known: {waived}"] = tried.get(f"known: {waived}", 0) + 1
             expect = {"state_req": "state", "info_req": "info"}[verdict.kind] if verdict else "error"
-            assert pub._threads[1].is_alive(), "the publisher's service thread died"
-            before = pub.bad_requests
+            assert pub.serving, "the publisher's service thread died"
+            before = pub.stats.bad_requests
             dealer.send(body)
             assert dealer.poll(10_000), "the state socket stopped answering"
             reply = wire_oracle.reply(dealer.recv_multipart())
@@ -667,12 +667,12 @@ def test_bad_requests_at_the_state_socket_are_counted_and_heartbeats_keep_flowin
                 assert reply.body["pub"] == pub.publisher_id and reply.body["run"] == "fuzz-state"
             elif expect == "info":
                 assert reply.body["run"] == pub.run_info
-            assert pub.bad_requests == before + (not verdict)
+            assert pub.stats.bad_requests == before + (not verdict)
             tried["valid" if verdict else "bad"] += 1
 
         one()
-        beats = pub.beats
-        wait_until(lambda: pub.beats >= beats + 2, 30, "heartbeats after the fuzz")
+        beats = pub.stats.beats
+        wait_until(lambda: pub.stats.beats >= beats + 2, 30, "heartbeats after the fuzz")
         sub = Subscriber(pub.endpoints["events"], pub.endpoints["state"], topics=["batch_end"],
                          context=ctx)
         assert sub.connect(join_timeout=30) is not None  # a late joiner still gets its state
@@ -681,9 +681,9 @@ def test_bad_requests_at_the_state_socket_are_counted_and_heartbeats_keep_flowin
         dealer.close()
         ctx.term()
         pub.close(linger=0.1)
-    assert pub.bad_requests == tried["bad"] and tried["bad"] >= 1600
+    assert pub.stats.bad_requests == tried["bad"] and tried["bad"] >= 1600
     report("state_socket_fuzz", examples=tried["bad"] + tried["valid"], **tried,
-           counted_bad_requests=pub.bad_requests)
+           counted_bad_requests=pub.stats.bad_requests)
 
 
 EVENTS_SOCKET_INPUTS = st.one_of(
@@ -721,10 +721,10 @@ def test_anything_a_peer_sends_into_the_events_socket_leaves_every_subscriber_se
             for sub in (everything, one_topic):  # the next event, in order, to each: none lost
                 got = sub.recv(timeout=10)
                 assert got is not None and got.topic == "batch_end" and got.data == {"step": step[0]}, got
-            assert pub._threads[1].is_alive(), "the publisher's service thread died"
+            assert pub.serving, "the publisher's service thread died"
 
         one()
-        wait_until(lambda: pub.foreign_messages == tried["not_subscriptions"], 10,
+        wait_until(lambda: pub.stats.foreign_messages == tried["not_subscriptions"], 10,
                    "every message that is not a subscription counted")
         assert everything.stats.gaps == one_topic.stats.gaps == 0
     finally:
@@ -733,7 +733,7 @@ def test_anything_a_peer_sends_into_the_events_socket_leaves_every_subscriber_se
             sub.close()
         ctx.term()
         pub.close(linger=0.1)
-    report("events_socket_fuzz", **tried, counted_foreign=pub.foreign_messages)
+    report("events_socket_fuzz", **tried, counted_foreign=pub.stats.foreign_messages)
 
 
 # ------------------------------------------- the oracle, and the rules the product breaks

@@ -210,7 +210,7 @@ def test_a_monitor_key_reads_but_cannot_halt_and_revocations_apply_to_a_live_con
             find_run(info.endpoints["state"], curve=eve, timeout=2)
         # her events connection is cut (every subscriber's is; the others reconnect) and she
         # cannot join again: she hears no heartbeat from then on
-        assert _wait_for(lambda: trainer.publisher.cuts == 1, timeout=5)
+        assert _wait_for(lambda: trainer.publisher.stats.cuts == 1, timeout=5)
         assert _drain_until_silent(eves, timeout=15)
         before = watching.stats.received
         assert _wait_for(lambda: watching.recv(timeout=0.5) is not None and watching.stats.received > before + 5)

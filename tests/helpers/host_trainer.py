@@ -69,7 +69,7 @@ def main() -> None:
             sys.exit("the go file never appeared")
         time.sleep(0.01)
     trainer.fit()
-    drops = trainer.publisher.drops
+    drops = trainer.publisher.stats.drops
     trainer.close()
     print(json.dumps({"done": trainer.timestamp.batch, "stopped_by": trainer.stopped_by,
                       "batch_times": data.taken, "drops": drops}), file=out, flush=True)

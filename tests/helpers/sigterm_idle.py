@@ -16,7 +16,7 @@ x = torch.randn(16, 8)
 data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8)
 trainer = Trainer(nn.Linear(8, 2), data, "1ep", loss_fn=nn.functional.cross_entropy, run_dir=sys.argv[1])
 trainer.fit()
-with trainer.publisher._send_lock:  # where release() is when the signal comes
+with trainer.publisher.outbox.lock:  # where release() is when the signal comes
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
 print("not reached", flush=True)

@@ -33,8 +33,8 @@ if __name__ == "__main__":
     start = time.perf_counter()
     for i in range(events):
         sent += pub.publish("batch_end", (0, i + 1, i + 1, 8 * (i + 1), 0), {"pad": pad, "i": i})
-    print(json.dumps({"published": events, "sent": sent, "drops": pub.drops,
-                      "tseq": pub._tseq.get("batch_end", 0),
+    print(json.dumps({"published": events, "sent": sent, "drops": pub.stats.drops,
+                      "tseq": pub.topic_seq("batch_end"),
                       "seconds": round(time.perf_counter() - start, 3)}), flush=True)
     wait_for(folder / "stop", 120)
     pub.close(linger=0.2)

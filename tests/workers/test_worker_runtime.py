@@ -286,12 +286,12 @@ def test_state_carries_the_publishers_drops_and_the_events_received():
     try:
         for i in range(20000):  # a queue of one message: some of these are dropped, and counted
             pub.publish("batch_end", (0, i, i, i, 0), {"pad": b"x" * 4096})
-        assert pub.drops > 0
+        assert pub.stats.drops > 0
         deadline = time.monotonic() + 20
         # once a heartbeat with the drops has come, the next event's State carries them (a
         # heartbeat shares the queue of one, so an event sent here may be dropped too: the
         # count to match is the publisher's at each check)
-        while not (counts.seen and counts.seen[-1][1] == (drops := pub.drops)) and time.monotonic() < deadline:
+        while not (counts.seen and counts.seen[-1][1] == (drops := pub.stats.drops)) and time.monotonic() < deadline:
             time.sleep(0.1)
             pub.publish("batch_end", (0, 20000, 20000, 20000, 0), {})
         while not pub.publish("fit_end", (1, 20000, 0, 20000, 0), {"stopped_by": None}):

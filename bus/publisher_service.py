@@ -1,0 +1,184 @@
+"""The publisher's service thread: one loop, a handler per socket and two timers, as the
+ZeroMQ Guide's clone server. Everything the publisher does off the training loop runs
+here: heartbeats, the subscriptions a peer sends, late-join answers, held events the loop
+left waiting, folding released events into the late-join state, and cutting the events
+connections of a revoked key.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+
+from offloop.bus.events_proxy import run_events_proxy
+from offloop.bus.held import HeldEvents
+from offloop.bus.interest import Interest
+from offloop.bus.late_join import LateJoin
+from offloop.bus.outbox import Outbox
+from offloop.bus.publisher_stats import PublisherStats
+from offloop.bus.wire import EventEncoder, Limits
+
+__all__ = ["PublisherService", "STALL_CHECK"]
+
+#: seconds: held events older than this (and the hold interval) leave from the service thread
+STALL_CHECK = 0.05
+#: the largest message a peer may send into the events socket: (un)subscriptions are a
+#: byte and a topic prefix; anything longer is not one
+MAX_SUBSCRIPTION_BYTES = 4096
+
+
+class PublisherService:
+    """The publisher's proxy and service threads, their sockets, and the service loop's
+    handlers. `release()` is the publisher's release path (it takes the outbox's lock);
+    `release_locked()` the same where the lock is already held (a late joiner's state)."""
+
+    def __init__(self, *, interest: Interest, held: HeldEvents, outbox: Outbox,
+                 stats: PublisherStats, encoder: EventEncoder, limits: Limits, curve,
+                 release, release_locked) -> None:
+        self.interest, self.held, self.outbox, self.stats = interest, held, outbox, stats
+        self.late_join = LateJoin(encoder, interest, held, outbox.lock, stats, limits, curve,
+                                  release_locked, self.track, self.beat)
+        self._curve, self._release = curve, release
+        self._revocations_seen = curve.access.revocations if curve is not None else 0
+        self._cut = threading.Event()  # the proxy thread's cue to drop every events connection
+        self._threads: list[threading.Thread] = []
+
+    def start(self, ctx: zmq.Context, inproc: str, host: str, events_port: int,
+              state_port: int, queue_size: int, subscriber_hwm: int) -> dict[str, str]:
+        """Bind the public sockets, connect the outbox, start the proxy and service
+        threads; the endpoints."""
+        front = _socket(ctx, zmq.XSUB, rcvhwm=1)
+        front.bind(inproc)
+        back = _socket(ctx, zmq.XPUB, sndhwm=subscriber_hwm, linger=0,
+                       maxmsgsize=MAX_SUBSCRIPTION_BYTES)  # a longer one is no subscription
+        events = self._bind(back, host, events_port)
+        router = _socket(ctx, zmq.ROUTER, maxmsgsize=self.late_join.limits.max_body_bytes,
+                         linger=0)
+        state = self._bind(router, host, state_port)
+        watcher = ctx.socket(zmq.XPUB)
+        watcher.connect(inproc)
+        proxy_ctl, self._proxy_ctl = _pair(ctx, inproc + "-proxy")
+        stop, self._stop_ctl = _pair(ctx, inproc + "-stop")
+        self.outbox.connect(ctx, inproc, queue_size)
+        self._threads = [
+            threading.Thread(target=run_events_proxy, daemon=True, name="offloop-proxy",
+                             args=(front, back, proxy_ctl, self._cut, events)),
+            threading.Thread(target=self._run, daemon=True, name="offloop-publisher",
+                             args=(watcher, router, stop)),
+        ]
+        for thread in self._threads:
+            thread.start()
+        return {"events": events, "state": state}
+
+    def _bind(self, sock: zmq.Socket, host: str, port: int) -> str:
+        """A public socket: a CURVE server with keys, bound on the publisher's host."""
+        if self._curve is not None:
+            self._curve.apply(sock)
+        sock.bind(f"tcp://{host}:{port or '*'}")
+        return sock.last_endpoint.decode()
+
+    def stop(self, linger: float) -> None:
+        """Final heartbeats for `linger` seconds, then stop both threads."""
+        self._stop_ctl.send(str(linger).encode())
+        self._threads[1].join(timeout=linger + 5)
+        self._proxy_ctl.send(b"TERMINATE")
+        self._threads[0].join(timeout=5)
+        for sock in (self._stop_ctl, self._proxy_ctl):
+            sock.close(linger=0)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the service thread runs."""
+        return len(self._threads) == 2 and self._threads[1].is_alive()
+
+    def _run(self, watcher: zmq.Socket, router: zmq.Socket, stop: zmq.Socket) -> None:
+        """Serve until `stop` receives the final heartbeats' linger, in seconds."""
+        handlers = {watcher: self.track, router: lambda sock: self.late_join.answer(sock, watcher),
+                    stop: self._final_beats}
+        poller = zmq.Poller()
+        for sock in handlers:
+            poller.register(sock, zmq.POLLIN)
+        interval = self.outbox.heartbeat_interval
+        next_beat = time.monotonic()
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= next_beat:  # the heartbeat timer
+                    self.beat()
+                    self._cut_revoked()
+                    next_beat = now + interval
+                wait = max(0.0, next_beat - time.monotonic())
+                if self.held.holding:  # the stall timer
+                    wait = min(wait, STALL_CHECK)
+                ready = poller.poll(wait * 1000)
+                self._tick()
+                for sock, _ in ready:
+                    if handlers[sock](sock):
+                        return
+        finally:
+            for sock in handlers:
+                sock.close(linger=0)
+
+    def track(self, watcher: zmq.Socket) -> None:
+        """Take in the (un)subscriptions waiting at the watcher."""
+        interest = self.interest
+        while watcher.poll(0):
+            interest.change(watcher.recv())
+        interest.settle()
+
+    def beat(self, final: bool = False) -> None:
+        """One heartbeat, sent under the outbox's lock: it leaves behind every event
+        numbered before it, so no subscriber counts those lost while they are queued."""
+        with self.outbox.lock:
+            self.stats.beats += 1
+            self.outbox.beat(self.held.seq, self.held.tseq, self.stats.beats, final)
+
+    def _tick(self) -> None:
+        """Held events the loop has not released for a while (it is stuck in a data loader,
+        a long eval step, user code) leave from here; released ones are folded, off the loop."""
+        if self.held.stalled(STALL_CHECK):
+            self._release()
+        if self.held.unfolded:
+            with self.outbox.lock:
+                self.held.fold()
+
+    def _final_beats(self, stop: zmq.Socket) -> bool:
+        """Several final heartbeats, so one lost to a full subscriber queue is not the last."""
+        linger = float(stop.recv())
+        deadline = time.monotonic() + linger
+        while True:
+            self.beat(final=True)
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(min(0.1, linger))
+
+    def _cut_revoked(self) -> None:
+        """A key that lost its role keeps no events connection: libzmq checks a key only at
+        the handshake and cannot drop one peer of a PUB socket, so the proxy thread unbinds
+        and rebinds the events socket. Every subscriber reconnects at once (what it missed
+        meanwhile is counted as lost, as any gap); the revoked one's handshake now fails."""
+        if self._curve is None:
+            return
+        self._curve.access.refresh()
+        if self._curve.access.revocations > self._revocations_seen:
+            self._revocations_seen = self._curve.access.revocations
+            self.stats.cuts += 1
+            self._cut.set()
+            self._proxy_ctl.send(b"TERMINATE")  # the proxy returns, rebinds, and runs again
+
+
+def _socket(ctx: zmq.Context, kind: int, **options) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    for name, value in options.items():
+        setattr(sock, name, value)
+    return sock
+
+
+def _pair(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, zmq.Socket]:
+    """Two PAIR sockets over inproc: (the bound one, the connected one)."""
+    bound, connected = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    bound.bind(endpoint)
+    connected.connect(endpoint)
+    return bound, connected

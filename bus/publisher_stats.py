@@ -1,0 +1,37 @@
+"""The publisher's counters, in one place: each room of the publisher counts into the
+same object, and every reader (tests, benchmarks, the trainer's run summary) reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PublisherStats"]
+
+
+@dataclass
+class PublisherStats:
+    """What a publisher has counted since it was made. Each field has one writer thread
+    (named below); a reader on another thread sees a recent value."""
+
+    #: events messages not sent: a full queue, or the byte bound (outbox; heartbeats carry it)
+    drops: int = 0
+    #: of `drops`, those refused by max_queued_bytes (outbox)
+    byte_drops: int = 0
+    #: bytes of large messages not yet handed to every subscriber's connection (outbox)
+    queued_bytes: int = 0
+    #: heartbeats sent (service thread)
+    beats: int = 0
+    #: held events left out at release: a value the wire cannot carry (releasing thread)
+    unencodable: int = 0
+    #: late-join state requests answered (service thread)
+    state_requests: int = 0
+    #: malformed or misdirected requests at the state socket (service thread)
+    bad_requests: int = 0
+    #: state and info requests refused: their key is no longer authorised (with keys)
+    unauthorized: int = 0
+    #: times every events connection was cut because a key lost its role (with keys)
+    cuts: int = 0
+    #: messages a peer sent into the events socket that were not (un)subscriptions
+    foreign_messages: int = 0
+    #: more than MAX_OPEN_PREFIXES open prefixes were subscribed at once, at some point
+    prefix_overflow: bool = False
