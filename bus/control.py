@@ -132,7 +132,8 @@ class ControlServer:
         #: waiting at a boundary (not polling each batch) is woken by it
         self.on_request: Callable[[], None] | None = None
         self._outbox: deque[tuple[ControlRequest, bytes]] = deque()
-        self._pending: dict[tuple[str, int], list[bytes]] = {}  # key -> latest attempt's routing envelope
+        # key -> latest attempt's routing envelope
+        self._pending: dict[tuple[str, int], list[bytes]] = {}
         # at most this many requests (and bytes of them) wait for the trainer; more are refused
         self._max_queued, self._max_queued_bytes = max_queued, max_queued_bytes
         self._pending_bytes: dict[tuple[str, int], int] = {}
@@ -233,7 +234,8 @@ class ControlServer:
             self.stats.unauthorized += 1
             log.warning("offloop control: refused a client at %s (%s): its key is not authorised",
                         event.get("endpoint", b"").decode(errors="replace"),
-                        "bad key" if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "handshake")
+                        "bad key" if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                        else "handshake")
 
     def _send_acks(self, router: zmq.Socket, wake: zmq.Socket) -> bool:
         alive = True
@@ -302,20 +304,23 @@ class ControlServer:
         if answered is not None and request.req <= answered:
             self.stats.stale += 1
             self._refuse_now(router, envelope, request, (
-                f"request {request.req} of client {request.client} was answered long ago (its ack is no "
-                "longer kept): not applied again"))
+                f"request {request.req} of client {request.client} was answered long ago "
+                "(its ack is no longer kept): not applied again"))
             return
         refusal = self._refusal(request, frame)
         if refusal:
             self.stats.refused += 1
-            self._remember(self._refusals, key, self._refuse_now(router, envelope, request, refusal))
+            self._remember(self._refusals, key,
+                           self._refuse_now(router, envelope, request, refusal))
             return
         size = len(frame)
-        if len(self._pending) >= self._max_queued or self._queued_bytes + size > self._max_queued_bytes:
+        if (len(self._pending) >= self._max_queued
+                or self._queued_bytes + size > self._max_queued_bytes):
             self.stats.overflow += 1  # not kept: a retry once the queue has room is served
             self._refuse_now(router, envelope, request, (
-                f"the trainer has {len(self._pending)} requests ({self._queued_bytes} bytes) waiting, the most "
-                f"it queues ({self._max_queued}, {self._max_queued_bytes} bytes): refused, ask again later"))
+                f"the trainer has {len(self._pending)} requests ({self._queued_bytes} bytes) "
+                f"waiting, the most it queues ({self._max_queued}, {self._max_queued_bytes} "
+                "bytes): refused, ask again later"))
             return
         self._pending_bytes[key] = size
         self._queued_bytes += size
@@ -331,7 +336,8 @@ class ControlServer:
         if refusal:
             return refusal
         # with keys: the role of the key this connection authenticated with, as authorised now
-        reason = self._curve.access.refusal(frame.get("User-Id"), request.op) if self._curve is not None else None
+        reason = (self._curve.access.refusal(frame.get("User-Id"), request.op)
+                  if self._curve is not None else None)
         if reason is None and self._authorize is not None:
             reason = self._authorize(request)
         if reason:
@@ -382,7 +388,8 @@ class ControlClient:
         req = next(self._ids) if req is None else req
         # the args each op must carry (a halt's reason, a checkpoint's tag) default to "", so
         # that what this client sends is always a valid request
-        args = {**{name: "" for name, (_, required) in CONTROL_ARGS.get(op, {}).items() if required},
+        args = {**{name: "" for name, (_, required) in CONTROL_ARGS.get(op, {}).items()
+                   if required},
                 **(args or {})}
         body = encode_request("ctl", client=self.client_id, req=req, op=op, args=args,
                               t=time.time(), wait=float(timeout))
@@ -399,7 +406,8 @@ class ControlClient:
                     reply = decode_reply(sock.recv(), self.limits)
                     if reply["k"] == "error":
                         raise WireError(f"control server refused the message: {reply['error']}")
-                    if reply["k"] == "ack" and (reply["client"], reply["req"]) == (self.client_id, req):
+                    if (reply["k"] == "ack"
+                            and (reply["client"], reply["req"]) == (self.client_id, req)):
                         return Ack(reply["client"], reply["req"], reply["op"], reply["ok"],
                                    reply["result"], reply.get("error"))
                 self._drop()  # silence: the request may be stuck in this socket; a new one
@@ -429,8 +437,8 @@ class ControlClient:
         """A client of the same endpoint, keys and context under another id: each callback
         of a worker process asks under its own name (the trainer's `stopped_by` and acks
         name it). Closing it leaves the shared context to this client."""
-        return ControlClient(self.endpoint, client_id=client_id, limits=self.limits, context=self._ctx,
-                             curve=self._curve)
+        return ControlClient(self.endpoint, client_id=client_id, limits=self.limits,
+                             context=self._ctx, curve=self._curve)
 
     def halt(self, reason: str = "", **kw: Any) -> Ack:
         return self.request("halt", {"reason": reason}, **kw)

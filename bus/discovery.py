@@ -56,7 +56,8 @@ class RunInfo:
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "run info") -> RunInfo:
         known = {f for f in cls.__dataclass_fields__}
-        missing = [k for k in ("run_id", "run_name", "pid", "started", "endpoints") if k not in data]
+        missing = [k for k in ("run_id", "run_name", "pid", "started", "endpoints")
+                   if k not in data]
         if missing:
             raise RunNotFound(f"{where} lacks {', '.join(missing)}")
         return cls(**{k: v for k, v in data.items() if k in known})
@@ -160,7 +161,8 @@ def _ask_endpoint(endpoint: str, timeout: float, curve=None) -> RunInfo:
         try:
             reply = decode_reply(sock.recv())
         except WireError as exc:
-            raise RunNotFound(f"{endpoint} answered with something that is not a run: {exc}") from None
+            raise RunNotFound(
+                f"{endpoint} answered with something that is not a run: {exc}") from None
     except zmq.ZMQError as exc:
         raise RunNotFound(f"cannot reach {endpoint}: {exc}") from None
     finally:

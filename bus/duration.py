@@ -92,8 +92,8 @@ class Count(int):
         if isinstance(other, (Time, Count)) and not isinstance(other, bool):
             unit = other.unit
             if unit is not self.unit:
-                raise RuntimeError(f"cannot combine {self.to_timestring()} with {other.value}{unit.value}: "
-                                   "their units differ")
+                raise RuntimeError(f"cannot combine {self.to_timestring()} with "
+                                   f"{other.value}{unit.value}: their units differ")
             return int(other.value)
         if isinstance(other, int) and not isinstance(other, bool):
             return int(other)
@@ -159,4 +159,5 @@ class Count(int):
 
 
 #: one Count subclass per unit: `COUNTS[TimeUnit.EPOCH](3)`
-COUNTS = {unit: type(f"{unit.name.title()}Count", (Count,), {"__slots__": (), "unit": unit}) for unit in TimeUnit}
+COUNTS = {unit: type(f"{unit.name.title()}Count", (Count,), {"__slots__": (), "unit": unit})
+          for unit in TimeUnit}

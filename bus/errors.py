@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["BusError", "WireError", "RunNotFound", "ControlTimeout", "PublisherSilent", "ReadOnlyError"]
+__all__ = ["BusError", "WireError", "RunNotFound", "ControlTimeout", "PublisherSilent",
+           "ReadOnlyError"]
 
 
 class BusError(Exception):

@@ -39,7 +39,8 @@ def run_events_proxy(front: zmq.Socket, back: zmq.Socket, control: zmq.Socket, c
 
 
 def _bind_again(sock: zmq.Socket, endpoint: str, attempts: int = 50) -> None:
-    for _ in range(attempts):  # the port was ours a moment ago; another process could take it meanwhile
+    # the port was ours a moment ago; another process could take it meanwhile
+    for _ in range(attempts):
         try:
             sock.bind(endpoint)
             return
@@ -47,4 +48,5 @@ def _bind_again(sock: zmq.Socket, endpoint: str, attempts: int = 50) -> None:
             error = exc
             time.sleep(0.02)
     log.error("offloop: the events socket could not bind %s again after cutting a revoked key's "
-              "connection (%s): no subscriber can reach this run's events from now on", endpoint, error)
+              "connection (%s): no subscriber can reach this run's events from now on",
+              endpoint, error)

@@ -44,7 +44,8 @@ class RecordingWriter:
 
     def event(self, frames: list) -> None:
         self.events += 1
-        self._write({"k": "ev", "f": [f.bytes if hasattr(f, "bytes") else bytes(f) for f in frames]})
+        self._write({"k": "ev",
+                     "f": [f.bytes if hasattr(f, "bytes") else bytes(f) for f in frames]})
 
     def gap(self, topic: str, n: int) -> None:
         self.gaps += n
@@ -85,7 +86,8 @@ def read_recording(path: str | Path, limits: Limits = DEFAULT_LIMITS
         raise WireError(f"{path} is not an offloop recording")
     if header.get("v") != VERSION:
         handle.close()
-        raise WireError(f"recording version {header.get('v')!r} is not supported (this build reads {VERSION})")
+        raise WireError(f"recording version {header.get('v')!r} is not supported "
+                        f"(this build reads {VERSION})")
 
     def records() -> Iterator[Message | tuple[str, int]]:
         with handle:
@@ -97,8 +99,8 @@ def read_recording(path: str | Path, limits: Limits = DEFAULT_LIMITS
                     if kind == "ev":
                         try:
                             msg = decode_event(record["f"], limits)
-                        except (WireError, TypeError, ValueError, KeyError):  # not an event's frames
-                            yield ("malformed", 1)
+                        except (WireError, TypeError, ValueError, KeyError):
+                            yield ("malformed", 1)  # not an event's frames
                             continue
                         msg.raw = record["f"]
                         yield msg
@@ -112,8 +114,10 @@ def read_recording(path: str | Path, limits: Limits = DEFAULT_LIMITS
                         return
                     else:
                         yield ("malformed", 1)
-            except (ValueError, msgpack.OutOfData, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
-                yield ("truncated", 1)  # corrupt from here: everything before this point was replayed
+            except (ValueError, msgpack.OutOfData, msgpack.ExtraData, msgpack.FormatError,
+                    msgpack.StackError):
+                # corrupt from here: everything before this point was replayed
+                yield ("truncated", 1)
                 return
             if end < size:  # the file ends inside a record (a crash mid-write)
                 yield ("truncated", 1)

@@ -76,8 +76,8 @@ class Relay:
                  subscriber_hwm: int = 10_000, heartbeat_timeout: float = 10.0,
                  limits: Limits = DEFAULT_LIMITS, context: zmq.Context | None = None) -> None:
         if info.curve_public and upstream is None:
-            raise SecurityError(f"run {info.run_name} has keys: the relay needs a client key the trainer "
-                                "authorises (--keys DIR --key-name NAME)")
+            raise SecurityError(f"run {info.run_name} has keys: the relay needs a client key "
+                                "the trainer authorises (--keys DIR --key-name NAME)")
         self.info = info
         self.upstream = dict(info.endpoints)
         self.host = host
@@ -118,9 +118,11 @@ class Relay:
         self._proxy_ctl.connect(self._inproc + "-proxy")
 
         names = ["state", "control"] if "control" in self.upstream else ["state"]
-        sockets = {name: (self._public_socket(zmq.ROUTER, name, maxmsgsize=self.limits.max_body_bytes,
+        sockets = {name: (self._public_socket(zmq.ROUTER, name,
+                                              maxmsgsize=self.limits.max_body_bytes,
                                               rcvhwm=_REQUEST_RCVHWM),
-                          self._upstream_socket(zmq.DEALER, name, maxmsgsize=self.limits.max_message_bytes))
+                          self._upstream_socket(zmq.DEALER, name,
+                                                maxmsgsize=self.limits.max_message_bytes))
                    for name in names}
         beats = self._upstream_socket(zmq.SUB, "events")
         beats.subscribe(topic_prefix(HEARTBEAT_TOPIC))
@@ -196,9 +198,9 @@ class Relay:
                 if not silent and now - self.last_beat > self.heartbeat_timeout:
                     silent = True
                     self.stats.silences += 1
-                    log.warning("offloop relay: no heartbeat from %s for %gs: the trainer is gone or "
-                                "cut off; monitors see the same silence", self.upstream["events"],
-                                self.heartbeat_timeout)
+                    log.warning("offloop relay: no heartbeat from %s for %gs: the trainer is "
+                                "gone or cut off; monitors see the same silence",
+                                self.upstream["events"], self.heartbeat_timeout)
                 if now >= next_check:
                     next_check = now + 1.0
                     self._cut_revoked()
@@ -241,7 +243,8 @@ class Relay:
                 public.send_multipart([client, encode_reply("error", error=str(exc))])
                 return
             op = request.get("op")
-        refusal = self.keys.access.refusal(body.get("User-Id"), op) if self.keys is not None else None
+        refusal = (self.keys.access.refusal(body.get("User-Id"), op)
+                   if self.keys is not None else None)
         if refusal:
             if op is None:
                 self.stats.unauthorized += 1
@@ -285,7 +288,8 @@ class Relay:
         return {**run, "endpoints": dict(self.endpoints),
                 "ranks": [{k: v for k, v in self.endpoints.items() if k != "control"}],
                 "curve_public": self.keys.public.decode() if self.keys is not None else "",
-                "extra": {**(run.get("extra") or {}), "relayed_from": self.upstream.get("state", "")}}
+                "extra": {**(run.get("extra") or {}),
+                          "relayed_from": self.upstream.get("state", "")}}
 
     def _cut_revoked(self) -> None:
         """A monitor key revoked at the relay keeps no events connection (see events_proxy)."""

@@ -84,14 +84,16 @@ class AuthorizedKeys:
             signature = tuple(sorted((e.name, e.inode(), e.stat().st_mtime_ns, e.stat().st_size)
                                      for e in os.scandir(self.folder) if e.name.endswith(".key")))
         except OSError as exc:
-            signature = (str(exc),)  # unreadable: no file key is admitted until it is readable again
+            # unreadable: no file key is admitted until it is readable again
+            signature = (str(exc),)
         with self._lock:
             if signature == self._signature:
                 return False
             self._signature = signature
             before, self._files = self._files, _read_authorized(self.folder)
             lost = [name for key, (name, role) in before.items()
-                    if key not in self._files or (role == "control" and self._files[key][1] != "control")]
+                    if key not in self._files
+                    or (role == "control" and self._files[key][1] != "control")]
             self.revocations += len(lost)
         for name in lost:
             log.warning("offloop: client key %r lost its role (removed from, or changed in, %s): "
@@ -109,7 +111,8 @@ class AuthorizedKeys:
         a control op, or None for reading (events, state, run info)."""
         found = self.who(user_id)
         if found is None:
-            return "this client's key is no longer authorised by the trainer (it was removed from authorized/)"
+            return ("this client's key is no longer authorised by the trainer "
+                    "(it was removed from authorized/)")
         name, role = found
         if op in CONTROL_OPS and role != "control":
             return (f"key {name!r} is authorised as {role}: {op} needs a control key "
@@ -160,7 +163,8 @@ class ClientKeys:
         sock.curve_serverkey = self.server
 
 
-def generate_keys(folder: str | os.PathLike, client: str = "client", role: str = "control") -> dict[str, Path]:
+def generate_keys(folder: str | os.PathLike, client: str = "client",
+                  role: str = "control") -> dict[str, Path]:
     """Create the trainer's key pair (once) and a client key pair named `client` (once),
     and authorise that client as `role` (again, if it was: its role changes). Secret
     files are readable by the owner only."""
@@ -202,7 +206,8 @@ def _write_authorized(path: Path, public: bytes, role: str) -> None:
     """A public key file as zmq.auth writes them, with the role in its metadata; replaced
     in one rename, so the trainer never reads half of it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(f'# offloop: a client key the trainer admits, and its role\nmetadata\n    role = "{role}"\n'
+    tmp.write_text('# offloop: a client key the trainer admits, and its role\n'
+                   f'metadata\n    role = "{role}"\n'
                    f'curve\n    public-key = "{public.decode()}"\n')
     os.replace(tmp, path)
 
@@ -242,7 +247,8 @@ def load_server_keys(folder: str | os.PathLike) -> ServerKeys:
         raise SecurityError(f"{folder / 'trainer.key_secret'} has no secret key")
     authorized = folder / "authorized"
     if not authorized.is_dir():
-        raise SecurityError(f"{authorized} is missing: run `offloop keys {folder}` to authorise a client")
+        raise SecurityError(f"{authorized} is missing: run `offloop keys {folder}` to authorise "
+                            "a client")
     return ServerKeys(public, secret, authorized, AuthorizedKeys(authorized))
 
 

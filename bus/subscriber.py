@@ -197,7 +197,8 @@ class Subscriber:
                 key = (pub, topic)
                 self._last[key] = max(self._last.get(key, 0), tseq)
         # drop whatever arrived on the stream before the state and is not newer than it
-        self._pending = deque(m for m in self._pending if m.tseq > self._last.get((m.pub, m.topic), 0))
+        self._pending = deque(m for m in self._pending
+                              if m.tseq > self._last.get((m.pub, m.topic), 0))
         for entry in entries:
             entry.from_state = True
         self._pending.extendleft(reversed(entries))
@@ -396,7 +397,8 @@ class Subscriber:
                     self._count_gap(key, last + 1, tseq)
                     self._last[key] = tseq
                     entry = self._awaiting.get(key)
-                    if entry is not None and entry.tseq <= tseq:  # it proved lost: its value is news
+                    if entry is not None and entry.tseq <= tseq:
+                        # it proved lost: its value is news
                         del self._awaiting[key]
                         self._deliver_resynced(entry)
             self._known_pubs.add(beat.pub)

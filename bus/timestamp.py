@@ -53,7 +53,8 @@ class Timestamp:
                  epoch_in_iteration: int = 0, iteration: int = 0) -> None:
         # written through __dict__: __setattr__ refuses every change
         self.__dict__.update(epoch=epoch, batch=batch, batch_in_epoch=batch_in_epoch, sample=sample,
-                             token=token, sample_in_epoch=sample_in_epoch, token_in_epoch=token_in_epoch,
+                             token=token, sample_in_epoch=sample_in_epoch,
+                             token_in_epoch=token_in_epoch,
                              epoch_in_iteration=epoch_in_iteration, iteration=iteration,
                              _wire=(epoch, batch, batch_in_epoch, sample, token))
 
@@ -63,7 +64,8 @@ class Timestamp:
         `ts.batch >= '100ba'`; bus.duration.Count), ints all the same: what callbacks and
         algorithms see. The trainer's own stay plain ints (built every step)."""
         values = dict(zip(FIELDS, counters, strict=False))
-        return cls(**{name: _COUNT_OF[name](values.get(name, 0)) if name in _COUNT_OF else values.get(name, 0)
+        return cls(**{name: _COUNT_OF[name](values.get(name, 0)) if name in _COUNT_OF
+                      else values.get(name, 0)
                       for name in FIELDS})
 
     def __setattr__(self, name: str, value: Any) -> None:

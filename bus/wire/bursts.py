@@ -57,8 +57,10 @@ class BurstEncoding:
         if frames:
             frames.clear()
         body = self._pack((seq, tseq, entries))  # an array of 3: its 1-byte header goes
-        if len(body) + len(self._burst_head) > limits.max_body_bytes or len(frames) > limits.max_frames \
-                or frames and sum(map(len, frames)) > limits.max_message_bytes - limits.max_body_bytes:
+        if (len(body) + len(self._burst_head) > limits.max_body_bytes
+                or len(frames) > limits.max_frames
+                or frames and (sum(map(len, frames))
+                               > limits.max_message_bytes - limits.max_body_bytes)):
             if len(entries) > 1:
                 half = len(entries) // 2
                 first, second = entries[:half], entries[half:]
@@ -139,7 +141,8 @@ def decode_burst(frames, limits: Limits = DEFAULT_LIMITS) -> list[Message]:
     if type(body) is not list or len(body) != 8 or body[0] != VERSION:
         version = body[0] if isinstance(body, list) and body else None
         if isinstance(body, list) and body and version != VERSION:
-            raise WireError(f"wire version {version!r} is not supported (this build speaks {VERSION})")
+            raise WireError(f"wire version {version!r} is not supported "
+                            f"(this build speaks {VERSION})")
         raise WireError(f"burst body is {_shape(body)}, expected an array of 8 fields")
     _, kind, run, pub, rank, seq, tseq, events = body
     if not (kind == "bu" and type(run) is str and type(pub) is str and type(rank) is int
@@ -148,7 +151,8 @@ def decode_burst(frames, limits: Limits = DEFAULT_LIMITS) -> list[Message]:
                         "tseq: map, events: list]")
     for topic, n in tseq.items():  # every topic checked once here, not at each of its events
         if type(topic) is not str or not topic or topic[0] == "_" or "\0" in topic:
-            raise WireError(f"burst topic {topic!r} is not a string, or empty, reserved (_...) or has NUL")
+            raise WireError(f"burst topic {topic!r} is not a string, or empty, reserved (_...) "
+                            "or has NUL")
         if type(n) is not int:
             raise WireError(f"burst tseq of {topic!r} is {n!r}, expected an int")
     nxt = dict(tseq)
@@ -157,7 +161,8 @@ def decode_burst(frames, limits: Limits = DEFAULT_LIMITS) -> list[Message]:
     ts = None
     for ev in events:
         if type(ev) is not list or not 3 <= len(ev) <= 4:
-            raise WireError(f"burst event is {_shape(ev)}, expected [topic, t, d] or [topic, t, d, ts]")
+            raise WireError(f"burst event is {_shape(ev)}, expected [topic, t, d] "
+                            "or [topic, t, d, ts]")
         if len(ev) == 4:
             ts = ev[3]
             if not (type(ts) is list and len(ts) == 5 and type(ts[0]) is int and type(ts[1]) is int

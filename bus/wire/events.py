@@ -52,10 +52,11 @@ from offloop.bus.wire.values import (
     topic_prefix,
 )
 
-# ormsgpack packs events (benchmarks/bus.py, `floor_batched_ormsgpack_us`, what it saves). Whatever it
-# would encode by a convention of its own (dataclasses, datetimes, UUIDs, enums) or refuse
-# with a message of its own (ints past 64 bits) goes to EventEncoder._default instead, so the
-# wire carries what msgpack's packer did and decoders read: nothing is converted silently.
+# ormsgpack packs events (benchmarks/bus.py, `floor_batched_ormsgpack_us`, what it saves).
+# Whatever it would encode by a convention of its own (dataclasses, datetimes, UUIDs, enums)
+# or refuse with a message of its own (ints past 64 bits) goes to EventEncoder._default
+# instead, so the wire carries what msgpack's packer did and decoders read: nothing is
+# converted silently.
 _packb = ormsgpack.packb
 _PACK_OPTIONS = (ormsgpack.OPT_PASSTHROUGH_BIG_INT | ormsgpack.OPT_PASSTHROUGH_DATACLASS
                  | ormsgpack.OPT_PASSTHROUGH_DATETIME | ormsgpack.OPT_PASSTHROUGH_ENUM
@@ -79,12 +80,14 @@ class EventEncoder(BurstEncoding):
         self._constant = b"\x9a" + constant[1:]
         self._prefixes: dict[str, bytes] = {}
         # fixarray header of 8 entries, then the 5 constant fields; burst() packs the other 3
-        self._burst_head = BURST_PREFIX + b"\x98" + msgpack.packb([VERSION, "bu", run, pub, rank])[1:]
+        self._burst_head = (BURST_PREFIX + b"\x98"
+                            + msgpack.packb([VERSION, "bu", run, pub, rank])[1:])
 
     def _default(self, value: Any) -> Any:
         """What ormsgpack hands back: tensors become frames, and what msgpack's own packer
         took (numpy scalars, int, float and str subclasses such as IntEnum, numpy.float64 and
-        str Enums, tuple subclasses such as namedtuples) its plain value; anything else is refused."""
+        str Enums, tuple subclasses such as namedtuples) its plain value; anything else is
+        refused."""
         try:
             if type(value) is TensorFrame:  # relayed as it arrived (a recorder re-framing an event)
                 self._frames.append(value.data)
@@ -96,7 +99,8 @@ class EventEncoder(BurstEncoding):
                 return ormsgpack.Ext(TENSOR_EXT, msgpack.packb([len(self._frames), dtype, shape]))
             if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalar
                 return value.item()
-            if isinstance(value, int) and type(value) is not int:  # IntEnum; a plain int here is past 64 bits
+            # IntEnum; a plain int here is past 64 bits
+            if isinstance(value, int) and type(value) is not int:
                 return operator.index(value)
             if isinstance(value, float):
                 return float(value)
@@ -120,7 +124,8 @@ class EventEncoder(BurstEncoding):
             why, self._refused = self._refused, None
             raise WireError(why or f"cannot encode the event: {exc}") from None
 
-    def encode_body(self, seq: int, tseq: int, ts, data, t: float | None = None) -> tuple[bytes, list | None]:
+    def encode_body(self, seq: int, tseq: int, ts, data,
+                    t: float | None = None) -> tuple[bytes, list | None]:
         """An event's variable fields (seq, tseq, t, ts, d) packed without their array
         header, and its tensor frames (None when it has none)."""
         frames = self._frames
@@ -182,7 +187,8 @@ def decode_event(frames, limits: Limits = DEFAULT_LIMITS) -> Message:
         if isinstance(body, dict) and body.get("v") != VERSION or isinstance(body, list) and body \
                 and body[0] != VERSION:
             version = body.get("v") if isinstance(body, dict) else body[0]
-            raise WireError(f"wire version {version!r} is not supported (this build speaks {VERSION})")
+            raise WireError(f"wire version {version!r} is not supported "
+                            f"(this build speaks {VERSION})")
         raise WireError(f"event body is {_shape(body)}, expected an array of 10 fields")
     v, k, run, pub, rank, seq, tseq, t, ts, d = body
     if v != VERSION:
@@ -209,7 +215,8 @@ def _decode_heartbeat(topic: str, body: bytes, tensor_frames, limits: Limits) ->
         raise WireError(f"heartbeat field 'k' is {body['k']!r}, expected 'hb'")
     for name, n in body["tseq"].items():
         if type(name) is not str or type(n) is not int:
-            raise WireError(f"heartbeat field 'tseq' maps {name!r} to {n!r}, expected topic (str) -> int")
+            raise WireError(f"heartbeat field 'tseq' maps {name!r} to {n!r}, "
+                            "expected topic (str) -> int")
     check_values(body)
     return Message(topic, "hb", body["run"], body["pub"], body["rank"], body["seq"], 0,
                    float(body["t"]), (0, 0, 0, 0, 0), body)

@@ -80,7 +80,8 @@ def _decode_body(frame, schemas: dict, limits: Limits, what: str) -> dict:
     if isinstance(body, dict):
         check_values(body)  # map keys str, no msgpack timestamp: anywhere in the body
     kind = body.get("k") if isinstance(body, dict) else None
-    if not isinstance(kind, str) or kind not in schemas:  # an unhashable kind must not raise TypeError
+    # an unhashable kind must not raise TypeError
+    if not isinstance(kind, str) or kind not in schemas:
         raise WireError(f"{what} kind {kind!r} is not one of {sorted(schemas)}")
     return _require(body, schemas[kind], what)
 
@@ -101,12 +102,15 @@ def check_request(body: dict) -> dict:
             raise WireError("state_req field 'topics' is missing, expected a list of str or nil "
                             "(nil: every topic)")
         topics = body["topics"]
-        if topics is not None and not (type(topics) is list and all(type(t) is str for t in topics)):
-            raise WireError(f"state_req field 'topics' is {topics!r}, expected a list of str or nil")
+        if topics is not None and not (type(topics) is list
+                                       and all(type(t) is str for t in topics)):
+            raise WireError(f"state_req field 'topics' is {topics!r}, "
+                            "expected a list of str or nil")
     elif kind == "ctl":
         wait = body.get("wait")
         if wait is not None and not (type(wait) is float and wait > 0):
-            raise WireError(f"ctl field 'wait' is {wait!r}, expected a float > 0 or nil (or no field)")
+            raise WireError(f"ctl field 'wait' is {wait!r}, expected a float > 0 or nil "
+                            "(or no field)")
         fields = CONTROL_ARGS.get(body["op"], {})
         args = body["args"]
         for name, (expected, required) in fields.items():

@@ -197,9 +197,11 @@ def _explain_refs(refs: list[int], count: int) -> None:
     for index in range(1, count + 1):
         n = refs.count(index)
         if n != 1:
-            raise WireError(f"tensor frame {index} is referred to by {n} tensor descriptors; each of "
-                            f"the message's {count} tensor frames must be referred to by exactly one")
-    raise WireError(f"message has {count} tensor frames, its body refers to {len(refs)}")  # not reached
+            raise WireError(f"tensor frame {index} is referred to by {n} tensor descriptors; "
+                            f"each of the message's {count} tensor frames must be referred to "
+                            "by exactly one")
+    # not reached
+    raise WireError(f"message has {count} tensor frames, its body refers to {len(refs)}")
 
 
 def _tensor_from_ext(payload: bytes, frames, limits: Limits) -> tuple[TensorFrame, int]:
@@ -236,7 +238,8 @@ def _require(body: Any, schema: dict[str, type | tuple[type, ...]], what: str) -
         value = body.get(key)
         # msgpack's true and false are not numbers: bool is an int only to Python
         if not isinstance(value, kind) or type(value) is bool and kind is not bool:
-            raise WireError(f"{what} field {key!r} is {'missing' if key not in body else repr(value)}, "
+            raise WireError(f"{what} field {key!r} is "
+                            f"{'missing' if key not in body else repr(value)}, "
                             f"expected {_names(kind)}")
     return body
 
@@ -275,7 +278,8 @@ def _check_values_slowly(value: Any) -> None:
         for m in maps:
             for key in m:
                 if type(key) is not str:
-                    raise WireError(f"map key {key!r} is {type(key).__name__}; map keys must be str")
+                    raise WireError(f"map key {key!r} is {type(key).__name__}; "
+                                    "map keys must be str")
             values.extend(m.values())
         for items in lists:
             values.extend(items)
@@ -311,7 +315,8 @@ def _head_and_tensors(frames, limits: Limits) -> tuple[bytes, list | None]:
     if len(frames) == 1:  # the common case: no tensors, checked without building lists
         head = frames[0] if type(frames[0]) is bytes else bytes(_frame_bytes(frames[0]))
         if len(head) > limits.max_body_bytes:
-            raise WireError(f"message body is {len(head)} bytes, the limit is {limits.max_body_bytes}")
+            raise WireError(f"message body is {len(head)} bytes, "
+                            f"the limit is {limits.max_body_bytes}")
         return head, None
     frames = [_frame_bytes(f) for f in frames]
     check_size(frames, limits)
