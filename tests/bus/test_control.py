@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import zmq
+from helpers.waiting import wait_until
 
 from offloop.bus import ControlClient, ControlServer, ControlTimeout
-from offloop.bus.wire import encode_request
+from offloop.bus.errors import WireError
+from offloop.bus.wire import Limits, encode_request
 
 
+@pytest.mark.guarantee
 def test_lost_first_attempt_is_applied_exactly_once_and_a_duplicate_gets_the_same_ack(
         spawn, free_port, tmp_path):
     # The server binds only once the client's first attempt is lost with its socket (the
@@ -64,10 +68,12 @@ def serve_in_background(srv, handle, stop_after=5.0):
     return thread
 
 
+@pytest.mark.guarantee
 def test_poll_is_empty_and_non_blocking_when_nothing_is_pending(server):
     assert server.poll() == []
 
 
+@pytest.mark.guarantee
 def test_refusal_reaches_the_client(server):
     serve_in_background(server, lambda r: r.refuse("run already finished"))
     with ControlClient(server.endpoint) as client:
@@ -75,6 +81,7 @@ def test_refusal_reaches_the_client(server):
     assert not ack.ok and ack.error == "run already finished" and ack.op == "halt"
 
 
+@pytest.mark.guarantee
 def test_unknown_op_is_refused_without_reaching_the_trainer(server):
     with ControlClient(server.endpoint) as client:
         ack = client.request("delete_everything", timeout=5)
@@ -82,6 +89,7 @@ def test_unknown_op_is_refused_without_reaching_the_trainer(server):
     assert server.poll() == [] and server.stats.refused == 1
 
 
+@pytest.mark.guarantee
 def test_unauthorised_requests_are_refused_and_counted():
     srv = ControlServer(authorize=lambda r: None if r.client == "ok" else "client not authorised")
     srv.start()
@@ -95,6 +103,7 @@ def test_unauthorised_requests_are_refused_and_counted():
         srv.close()
 
 
+@pytest.mark.guarantee
 def test_no_answer_times_out_clearly(free_port):
     client = ControlClient(f"tcp://127.0.0.1:{free_port}")
     with pytest.raises(ControlTimeout, match=r"no acknowledgement for halt .* within 0.5s"):
@@ -102,6 +111,7 @@ def test_no_answer_times_out_clearly(free_port):
     client.close()
 
 
+@pytest.mark.guarantee
 def test_malformed_and_oversized_requests_are_counted_and_the_server_goes_on(server):
     ctx = zmq.Context()
     rogue = ctx.socket(zmq.DEALER)
@@ -175,3 +185,279 @@ def test_the_client_always_sends_the_args_each_op_must_carry(server):
     assert got == [("halt", {"reason": ""}), ("checkpoint", {"tag": "", "filename": "x.pt"}),
                    ("halt", {"reason": ""}), ("checkpoint", {"tag": ""})]
     assert server.stats.malformed == 0
+
+
+# -------------------- guarantees at their edges --------------------
+# Folded from test_control_guarantees.py (marked `guarantee`: mutation/*.toml select them).
+# The control channel's guarantees at their edges (tests that kill mutants of
+# bus/control.py): stored acks are bounded and a kept one answers its retries, a refusal
+# is stored like an ack, the size limit is exact, a message of the wrong shape is counted,
+# and a silent server gets one attempt per retry interval, no more.
+
+class Trainer:
+    """Stands in for the trainer's loop: polls the server from a thread and acks every
+    request with the order it was applied in; `applied` lists (client, req) once each."""
+
+    def __init__(self, server: ControlServer) -> None:
+        self.server, self.applied = server, []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.done.is_set():
+            for request in self.server.poll():
+                self.applied.append(request.key)
+                request.ack(order=len(self.applied))
+            time.sleep(0.005)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(10)
+
+@pytest.fixture
+def small_server():
+    server = ControlServer(keep_acks=2)
+    server.start()
+    trainer = Trainer(server)
+    yield server, trainer
+    trainer.stop()
+    server.close()
+
+@pytest.mark.guarantee
+def test_stored_acks_are_bounded_and_a_retry_of_a_kept_one_gets_its_ack_not_a_second_application(
+        small_server):
+    server, trainer = small_server
+    once = {"timeout": 10, "retry": 10}  # one attempt each: every retry below is one we send
+    with ControlClient(server.endpoint, client_id="c") as client:
+        first = [client.request("checkpoint", req=req, **once) for req in (1, 2, 3)]
+        assert [ack.result["order"] for ack in first] == [1, 2, 3]
+        # the two newest acks are kept: their retries are answered from memory
+        assert client.request("checkpoint", req=2, **once) == first[1]
+        assert client.request("checkpoint", req=3, **once) == first[2]
+        assert trainer.applied == [("c", 1), ("c", 2), ("c", 3)]
+        assert (server.stats.received, server.stats.duplicates) == (5, 2)
+        # the oldest ack was forgotten to keep the bound, but not that request 1 was answered:
+        # a retry of it this late is refused, never applied a second time
+        late = client.request("checkpoint", req=1, **once)
+        assert not late.ok and "was answered long ago" in late.error and "not applied again" in late.error
+        assert client.attempts == 6
+    assert (server.stats.received, server.stats.acked, server.stats.stale) == (6, 3, 1)
+    assert trainer.applied == [("c", 1), ("c", 2), ("c", 3)]
+
+@pytest.mark.guarantee
+def test_refused_garbage_never_pushes_out_the_ack_a_retry_of_an_applied_request_needs(small_server):
+    server, trainer = small_server
+    once = {"timeout": 10, "retry": 10}
+    with ControlClient(server.endpoint, client_id="c") as client:
+        applied = client.request("checkpoint", req=1, **once)
+        with ControlClient(server.endpoint, client_id="junk") as junk:
+            for req in range(1, 20):  # far more refusals than the 2 acks kept
+                assert not junk.request("reboot", req=req, **once).ok
+        assert client.request("checkpoint", req=1, **once) == applied  # its own ack, from memory
+    assert trainer.applied == [("c", 1)]
+
+@pytest.mark.guarantee
+def test_requests_past_the_queue_bound_are_refused_at_once_and_a_later_retry_is_served():
+    server = ControlServer(max_queued=2, max_queued_bytes=1 << 20)
+    server.start()
+    try:
+        once = {"timeout": 10, "retry": 10}
+        acks, threads = {}, []
+        for name in ("a", "b"):  # nobody polls yet: these two wait in the queue
+            def ask(name=name):
+                with ControlClient(server.endpoint, client_id=name) as client:
+                    acks[name] = client.request("halt", {"reason": name}, req=1, **once)
+            threads.append(threading.Thread(target=ask, daemon=True))
+            threads[-1].start()
+        wait_until(lambda: len(server._pending) == 2, 5, "two queued requests")
+        with ControlClient(server.endpoint, client_id="c") as client:
+            refused = client.request("halt", {"reason": "c"}, req=1, **once)
+            assert not refused.ok and "2 requests" in refused.error and "ask again later" in refused.error
+            assert server.stats.overflow == 1
+            big = client.request("halt", {"reason": "x" * (1 << 20)}, req=2, **once)  # past the byte bound
+            assert not big.ok and "bytes) waiting" in big.error
+            trainer = Trainer(server)  # the queue drains
+            for thread in threads:
+                thread.join(10)
+            assert acks["a"].ok and acks["b"].ok
+            assert client.request("halt", {"reason": "c"}, req=1, **once).ok  # not remembered: served now
+            trainer.stop()
+        assert server._queued_bytes == 0 and server.stats.overflow == 2
+    finally:
+        server.close()
+
+@pytest.mark.guarantee
+def test_a_refused_request_retried_gets_the_same_refusal_and_is_refused_once(small_server):
+    server, trainer = small_server
+    with ControlClient(server.endpoint, client_id="c") as client:
+        refusal = client.request("reboot", req=7, timeout=10, retry=10)
+        assert not refusal.ok and "valid ops are halt, checkpoint" in refusal.error
+        assert client.request("reboot", req=7, timeout=10, retry=10) == refusal
+    assert (server.stats.refused, server.stats.duplicates) == (1, 1)
+    assert trainer.applied == []
+
+def body_of(size: int, client: str = "c", req: int = 1) -> dict:
+    """Halt args whose control request encodes to exactly `size` bytes."""
+    def encoded(n):
+        return len(encode_request("ctl", client=client, req=req, op="halt",
+                                  args={"reason": "x" * n}, t=0.0, wait=10.0))  # as request(timeout=10) sends
+    n = 300 + size - encoded(300)  # a str8/str16 header is the same length all the way
+    assert encoded(n) == size
+    return {"reason": "x" * n}
+
+@pytest.mark.guarantee
+def test_a_request_exactly_at_the_size_limit_is_served_and_one_byte_over_is_refused_by_length():
+    limits = Limits(max_body_bytes=1000)
+    server = ControlServer(limits=limits)
+    server.start()
+    trainer = Trainer(server)
+    try:
+        with ControlClient(server.endpoint, client_id="c", limits=limits) as client:
+            assert client.request("halt", body_of(1000), req=1, timeout=10).ok
+            with pytest.raises(WireError, match="request is 1001 bytes, the limit is 1000"):
+                client.request("halt", body_of(1001, req=2), req=2, timeout=10)
+        assert server.stats.oversized == 1 and trainer.applied == [("c", 1)]
+    finally:
+        trainer.stop()
+        server.close()
+
+@pytest.mark.guarantee
+def test_a_message_of_more_than_one_frame_is_counted_malformed_and_never_reaches_the_trainer(
+        small_server):
+    server, trainer = small_server
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.linger = 0
+    try:
+        rogue.connect(server.endpoint)
+        request = encode_request("ctl", client="r", req=1, op="halt", args={}, t=0.0)
+        rogue.send_multipart([request, request])
+        wait_until(lambda: server.stats.malformed > 0, 10, "the two-frame message to be counted")
+        with ControlClient(server.endpoint, client_id="c") as client:
+            assert client.halt(timeout=10).ok  # the server went on
+        assert server.stats.malformed == 1 and server.stats.received == 1
+        assert [client for client, _ in trainer.applied] == ["c"]
+    finally:
+        rogue.close()
+        ctx.destroy(linger=0)
+
+@pytest.mark.guarantee
+def test_a_silent_server_gets_one_attempt_per_retry_interval_until_the_timeout(free_port):
+    client = ControlClient(f"tcp://127.0.0.1:{free_port}")
+    started = time.monotonic()
+    with pytest.raises(ControlTimeout, match=r"no acknowledgement for halt .* within 1s"):
+        client.halt(timeout=1.0, retry=0.25)
+    assert 1.0 <= time.monotonic() - started < 5
+    # at 0, 0.25, 0.5 and 0.75 s (fewer on a stalled machine), none more in the last millisecond
+    assert 2 <= client.attempts <= 4
+    client.close()
+
+@pytest.mark.guarantee
+def test_a_request_to_a_silent_server_is_sent_once_per_retry_interval(free_port):
+    client = ControlClient(f"tcp://127.0.0.1:{free_port}")
+    with pytest.raises(ControlTimeout):
+        client.halt(timeout=0.3, retry=30)
+    assert client.attempts == 1  # the poll waits out the last fraction of a millisecond
+    client.close()
+
+@pytest.mark.guarantee
+def test_a_client_keeps_its_connection_between_requests(free_port):
+    # a ROUTER gives each connection an identity of its own: one identity, one connection
+    from offloop.bus.wire import decode_request, encode_reply
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind(f"tcp://127.0.0.1:{free_port}")
+    identities = []
+
+    def answer():
+        while len(identities) < 3 and router.poll(10_000):
+            identity, body = router.recv_multipart()
+            identities.append(identity)
+            req = decode_request(body)
+            router.send_multipart([identity, encode_reply("ack", client=req["client"], req=req["req"],
+                                                          op="halt", ok=True, result={}, error=None)])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        with ControlClient(f"tcp://127.0.0.1:{free_port}", client_id="c").connect() as client:
+            for _ in range(3):
+                assert client.halt(timeout=10).ok
+        assert len(identities) == 3 and len(set(identities)) == 1 and client.attempts == 3
+    finally:
+        thread.join(15)
+        router.close()
+        ctx.destroy(linger=0)
+
+@pytest.mark.guarantee
+def test_a_closed_server_has_stopped_serving_and_freed_its_port_even_on_a_shared_context(free_port):
+    ctx = zmq.Context()
+    try:
+        first = ControlServer(port=free_port, context=ctx)
+        first.start()
+        started = time.monotonic()
+        first.close()
+        assert time.monotonic() - started < 3  # its thread saw the stop: no 5 s join timeout
+        # the port is free again (libzmq closes a socket's listener asynchronously: soon)
+        second = ControlServer(port=free_port, context=ctx)
+        deadline = time.monotonic() + 3
+        while True:
+            try:
+                assert second.start() == f"tcp://127.0.0.1:{free_port}"
+                break
+            except zmq.ZMQError:  # the failed socket is closed by ctx.destroy() below
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        trainer = Trainer(second)
+        with ControlClient(second.endpoint, context=ctx) as client:
+            assert client.halt(timeout=10).ok
+        trainer.stop()
+        second.close()
+    finally:
+        ctx.destroy(linger=0)
+
+@pytest.mark.guarantee
+def test_the_client_takes_only_the_ack_of_its_own_request(free_port):
+    # a server that first answers with acks for another request and another client
+    from offloop.bus.wire import decode_request, encode_reply
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind(f"tcp://127.0.0.1:{free_port}")
+
+    def answer():
+        if router.poll(10_000):
+            identity, body = router.recv_multipart()
+            req = decode_request(body)
+            for client, number in (("c", req["req"] + 1), ("someone-else", req["req"]),
+                                   (req["client"], req["req"])):
+                router.send_multipart([identity, encode_reply(
+                    "ack", client=client, req=number, op="halt", ok=True,
+                    result={"who": f"{client}/{number}"}, error=None)])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        with ControlClient(f"tcp://127.0.0.1:{free_port}", client_id="c") as client:
+            ack = client.request("halt", req=5, timeout=10, retry=10)
+        assert (ack.client, ack.req, ack.result) == ("c", 5, {"who": "c/5"})
+    finally:
+        thread.join(15)
+        router.close()
+        ctx.destroy(linger=0)
+
+@pytest.mark.guarantee
+@pytest.mark.parametrize("wait", [0.0, -1.0, True, 3, "1"])
+def test_a_wait_that_is_not_a_positive_float_is_malformed(wait):
+    from offloop.bus.wire import decode_request
+
+    body = encode_request("ctl", client="c", req=1, op="halt", args={"reason": ""}, t=1.0, wait=wait)
+    with pytest.raises(WireError, match=r"ctl field 'wait' is .*, expected a float > 0 or nil"):
+        decode_request(body)
+    assert decode_request(encode_request("ctl", client="c", req=1, op="halt", args={"reason": ""},
+                                         t=1.0, wait=1.5))["wait"] == 1.5

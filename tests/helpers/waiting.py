@@ -6,7 +6,8 @@ import time
 from collections.abc import Callable
 
 
-def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.005) -> object:
+def wait_until(condition: Callable[[], object], timeout: float = 5.0, what: str = "the condition",
+               interval: float = 0.005) -> object:
     """`condition()`'s first true value; fail the test, naming `what`, after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while not (value := condition()):
