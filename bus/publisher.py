@@ -4,7 +4,7 @@ Promise: `publish()` never waits for a subscriber (a full queue is a counted dro
 skips serializing events nobody subscribed to, and a subscriber that joins mid-run gets
 the run config and the latest message of every topic at once.
 
-Sockets, all owned here::
+Sockets (the first is the outbox's, the others the service's)::
 
     publishing thread  XPUB (NODROP, HWM = queue_size) --inproc--+
       (events; heartbeats too, sent by the service thread under the outbox's lock)
