@@ -25,7 +25,7 @@ from offloop.bus.discovery import pid_alive
 from offloop.trainer.errors import CheckpointError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state", "seed_everything", "FORMAT",
-           "Parts", "Checkpointer", "epoch_iterator", "requested_name", "step_name", "unused_name",
+           "Parts", "Checkpointer", "HostCheckpointer", "epoch_iterator", "requested_name", "step_name", "unused_name",
            "check_filename"]
 
 log = logging.getLogger("offloop.trainer")
@@ -188,17 +188,36 @@ class Parts:
 
 class Checkpointer:
     """Writes the run's checkpoints into `folder` (rank 0 writes; every rank takes part)
-    and restores one; `written` lists every file written, in order."""
+    and restores one; `written` lists every file written, in order. It keeps the data
+    order's place too: the RNG state each epoch's order is drawn from (`epoch_batches()`)
+    and, after `restore()`, the batches of that epoch already trained."""
 
-    def __init__(self, parts: Parts, agreement, folder: Path, *, rank: int, seed: int, run_name: str) -> None:
+    writes_in_loop = True  # Control writes requested checkpoints through it as they come
+
+    def __init__(self, parts: Parts, agreement, folder: Path, *, rank: int, seed: int,
+                 run_name: str) -> None:
         self.parts, self.agreement, self.folder = parts, agreement, folder
         self.rank, self.seed, self.run_name = rank, seed, run_name
         self.written: list[str] = []
+        self.epoch_rng: dict | None = None  # the RNG state this epoch's data order is drawn from
+        self._resume_batches = 0  # batches of the restored epoch already trained
         if rank == 0:
             for name in remove_stale(folder):
-                log.warning("offloop: removed %s in %s, left by a checkpoint write that was killed", name, folder)
+                log.warning("offloop: removed %s in %s, left by a checkpoint write that was killed",
+                            name, folder)
 
-    def write(self, ts: Timestamp, epoch_rng: dict | None, tag: str, filename: str | None) -> tuple[Path, str]:
+    def epoch_batches(self, loader: Iterable, epoch: int) -> Iterator:
+        """An iterator over epoch `epoch` of `loader` (the first after restore() skips the
+        batches already trained); its order's RNG state is kept for the checkpoints."""
+        iterator, self.epoch_rng = epoch_iterator(loader, self.epoch_rng, self._resume_batches, epoch)
+        self._resume_batches = 0
+        return iterator
+
+    def write_requested(self, ts: Timestamp, requests: list[ControlRequest]) -> tuple[Path, str]:
+        """A checkpoint of step `ts` named as `requests` ask (requested_name())."""
+        return self.write(ts, *requested_name(requests))
+
+    def write(self, ts: Timestamp, tag: str, filename: str | None) -> tuple[Path, str]:
         """The file written and the tag rank 0 gave it (under torchrun the other ranks
         hold no request and learn the name and tag from rank 0)."""
         name = filename or step_name(ts, tag)
@@ -207,7 +226,7 @@ class Checkpointer:
             name, taken = unused_name(self.folder, name, explicit=filename is not None)
         # one collective on every rank (never inside `if rank == 0`); rank 0's name wins, and
         # every rank judges it after the gather, so all refuse a bad one alike
-        states = self.agreement.gather((name, tag, rng_state(), epoch_rng, taken))
+        states = self.agreement.gather((name, tag, rng_state(), self.epoch_rng, taken))
         name, tag, taken = states[0][0], states[0][1], states[0][4]
         check_filename(name)
         if taken:
@@ -221,7 +240,8 @@ class Checkpointer:
                 "optimizers": [o.state_dict() for o in parts.optimizers],
                 "schedulers": [s.state_dict() for s in parts.schedulers],
                 "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
-                "algorithms": [a.state_dict() if hasattr(a, "state_dict") else {} for a in parts.algorithms],
+                "algorithms": [a.state_dict() if hasattr(a, "state_dict") else {}
+                               for a in parts.algorithms],
                 "timestamp": ts.state_dict(),
                 "rng": [state[2] for state in states],  # every rank's, by rank
                 "epoch_rng": [state[3] for state in states],
@@ -231,9 +251,9 @@ class Checkpointer:
             self.written.append(str(path))
         return path, tag
 
-    def restore(self, path: str | os.PathLike) -> tuple[Timestamp, dict | None]:
-        """Load a checkpoint into the parts and this rank's RNGs; its Timestamp and the
-        RNG state its epoch's data order was drawn from."""
+    def restore(self, path: str | os.PathLike) -> Timestamp:
+        """Load a checkpoint into the parts, this rank's RNGs and the data order's place
+        (the next epoch_batches() resumes where it stopped); its Timestamp."""
         parts, state = self.parts, load_checkpoint(path)
         if state.get("format") != FORMAT:
             raise CheckpointError(f"load_path {str(path)!r} is not an offloop checkpoint")
@@ -250,7 +270,42 @@ class Checkpointer:
         _restore_algorithms(parts.algorithms, state.get("algorithms") or [], path)
         rank = min(self.rank, len(state["rng"]) - 1)
         set_rng_state(state["rng"][rank])
-        return Timestamp.from_state_dict(state["timestamp"]), state["epoch_rng"][rank]
+        ts = Timestamp.from_state_dict(state["timestamp"])
+        self.epoch_rng, self._resume_batches = state["epoch_rng"][rank], ts.batch_in_epoch
+        return ts
+
+
+class HostCheckpointer:
+    """Requested checkpoints written by a host trainer (hooked_run.py): `save(path)` writes
+    its checkpoint at `path` on every rank and returns the path written; None for a trainer
+    that saves later itself (its integration takes the agreed requests and answers them).
+    Names as the Trainer's Checkpointer gives them: never written over, rank 0's on every rank."""
+
+    def __init__(self, save, agreement, folder: Path, *, rank: int, suffix: str) -> None:
+        self.save, self.agreement, self.folder = save, agreement, folder
+        self.rank, self.suffix = rank, suffix
+        self.writes_in_loop = save is not None
+        self.written: list[str] = []
+
+    def write_requested(self, ts: Timestamp, requests: list[ControlRequest]) -> tuple[Path, str]:
+        if self.save is None:  # only after the fit (answer_late): the host trainer no longer saves
+            raise CheckpointError("the run has finished: this trainer saves only while it trains")
+        tag, filename = requested_name(requests)
+        name = filename or step_name(ts, tag, self.suffix)
+        taken = ""
+        if self.rank == 0:
+            name, taken = unused_name(self.folder, name, explicit=filename is not None)
+        if self.agreement.active:
+            name, tag, taken = self.agreement.gather((name, tag, taken))[0]
+        check_filename(name)
+        if taken:
+            raise CheckpointError(taken)
+        try:
+            path = self.save(self.folder / name)
+        except Exception as exc:  # a full disk, a refused path: refused, training goes on
+            raise CheckpointError(f"checkpoint {name} could not be written: {exc}") from exc
+        self.written.append(str(path))
+        return Path(path), tag
 
 
 def _restore_algorithms(algorithms: list, states: list, path: str | os.PathLike) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from offloop.bus import AWAITS, DECISION_EVENTS, Time, Timestamp, TimeUnit
@@ -30,27 +29,28 @@ _KEEP_WAITS = 10_000
 
 class Decisions:
     """The declared decision points of each worker, and the waits at them: `fire()` is
-    handed the emitter, the workers and `serve` (which answers requests: a halt is applied,
-    a checkpoint written) and knows no Trainer."""
+    handed the emitter, the workers and the run's `Control` (whose `serve()` answers
+    requests while it waits: a halt is applied, a checkpoint written) and knows no Trainer.
+    A request wakes a wait only where the control server calls `workers.wake` on arrival
+    (RunServices wires it)."""
 
-    def __init__(self, schedule: dict[str, list[tuple[int, Time | None]]], timeout: float, emitter, workers,
-                 control, serve: Callable[[str], None]) -> None:
+    def __init__(self, schedule: dict[str, list[tuple[int, Time | None]]], timeout: float,
+                 emitter, workers, control) -> None:
         self.schedule = schedule  # decision_schedule()'s
         self.timeout = timeout
-        self._emitter, self._workers, self._serve = emitter, workers, serve
-        if control is not None and self.schedule:
-            control.on_request = workers.wake  # a request wakes a wait: answered at once
+        self._emitter, self._workers, self._control = emitter, workers, control
         self.ident = 0  # the id of the last awaited event
-        # seconds each of the latest waits took (benchmarks/control_latency.py), and of it serving
-        # requests (a checkpoint's write, say); bounded: a '1ba' interval waits at every batch
+        # seconds each of the latest waits took (benchmarks/control_latency.py), and of it
+        # serving requests (a checkpoint's write, say); bounded: a '1ba' interval waits at
+        # every batch
         self.waits: deque[float] = deque(maxlen=_KEEP_WAITS)
         self.served: deque[float] = deque(maxlen=_KEEP_WAITS)
         self._gave_up: set[int] = set()  # workers that missed a wait: asynchronous from then on
 
     def fire(self, topic: str, ts: Timestamp, data: dict | None = None) -> None:
         """Publish `topic` (`data` may hold tensors); where a worker decides on it now, send
-        it at once and wait for that worker's answer, its requests served by `serve(topic)`
-        meanwhile."""
+        it at once and wait for that worker's answer, its requests served meanwhile
+        (`Control.serve(topic, ts)`)."""
         indexes = self.due(topic, ts)
         if not indexes:
             if data is None:
@@ -64,7 +64,7 @@ class Decisions:
 
         def serve() -> None:
             began = time.perf_counter()
-            self._serve(topic)
+            self._control.serve(topic, ts)
             served[0] += time.perf_counter() - began
 
         late = self._workers.wait_answers(indexes, self.ident, self.timeout, serve)

@@ -327,6 +327,16 @@ class CallbackWorkers:
                 return
             self._receive(timeout=0.5)
 
+    def fit_ended(self) -> int:
+        """A fit_end is about to be published: its number (1 for the first fit)."""
+        self.fits += 1
+        return self.fits
+
+    def begin_closing(self) -> None:
+        """The run is closing: from here a worker that has handled every fit_end and exits
+        has ended, not crashed."""
+        self.closing = True
+
     def wait_answers(self, indexes: list[int], ident: int, timeout: float,
                      serve: Callable[[], None]) -> list[int]:
         """Wait until each worker of `indexes` has answered the awaited event `ident` (or

@@ -26,13 +26,17 @@ _latest: weakref.ref | None = None  # the UserMetrics of the Trainer built last
 
 
 class UserMetrics:
-    """One Trainer's metrics logged since its last snapshot took them."""
+    """One Trainer's metrics logged since its last snapshot took them; log_metrics() goes
+    to the one opened last."""
 
     def __init__(self, host: Callable[[torch.Tensor], Any]) -> None:
-        global _latest
         self._host = host
         self.values: dict[str, Any] = {}
         self.closed = False
+
+    def open(self) -> None:
+        """From now on log_metrics() goes here (until another is opened, or this one closed)."""
+        global _latest
         _latest = weakref.ref(self)
 
     def log(self, metrics: Mapping[str, Any]) -> None:
