@@ -1,6 +1,7 @@
 """The trainer's side of the control path (halts, checkpoint requests, SIGTERM, the rank
-agreement), handed the emitter and the checkpointer and knowing no Trainer. Promise: requests are read once
-per batch, every rank halts and saves at the same batch, and each request is answered once.
+agreement), handed the emitter and the checkpointer and knowing no Trainer. Promise: requests
+are read once per batch, every rank halts and saves at the same batch, and each request is
+answered once.
 """
 
 from __future__ import annotations
@@ -26,8 +27,16 @@ class Control:
     (path, tag); `writes_in_loop`: whether it writes while the loop runs, or the host
     trainer saves later, hooked_run.py) and publishes on `emitter`."""
 
-    def __init__(self, server: ControlServer | None, agreement: ControlAgreement, emitter,
-                 checkpointer, *, checkpoint_on_sigterm: bool, saves_after_fit: bool) -> None:
+    def __init__(
+        self,
+        server: ControlServer | None,
+        agreement: ControlAgreement,
+        emitter,
+        checkpointer,
+        *,
+        checkpoint_on_sigterm: bool,
+        saves_after_fit: bool,
+    ) -> None:
         self.server, self.agreement = server, agreement
         self._emit, self._release = emitter.emit, emitter.release
         self.checkpointer = checkpointer
@@ -51,8 +60,13 @@ class Control:
         """Once per batch, on every rank: read what arrived, agree with the other ranks,
         apply a halt (`stop`); the number of checkpoints due at this batch's checkpoint event."""
         server = self.server
-        if (self.halts or self.checkpoints or self.sigterm or self.agreement.active
-                or (server is not None and server.inbox)):
+        if (
+            self.halts
+            or self.checkpoints
+            or self.sigterm
+            or self.agreement.active
+            or (server is not None and server.inbox)
+        ):
             self.due = self._apply(server, ts)
         else:  # the usual batch: nothing asked or pending, and no other rank to agree with
             self.due = 0
@@ -61,34 +75,55 @@ class Control:
     def _apply(self, server: ControlServer | None, ts: Timestamp) -> int:
         now = time.time()
         for request in server.poll() if server is not None else ():
-            if request.given_up(now):  # its client stopped waiting (between two fits, say): not applied
+            # its client stopped waiting (between two fits, say): not applied
+            if request.given_up(now):
                 self.given_up += 1
-                request.refuse(f"{request.op} from {request.client} not applied: its client stopped "
-                               f"waiting {request.wait:g}s after sending it", step=ts.batch)
-                log.warning("offloop: %s from %s dropped: its client stopped waiting before the trainer "
-                            "read it", request.op, request.client)
+                request.refuse(
+                    f"{request.op} from {request.client} not applied: its client stopped "
+                    f"waiting {request.wait:g}s after sending it",
+                    step=ts.batch,
+                )
+                log.warning(
+                    "offloop: %s from %s dropped: its client stopped waiting before the trainer "
+                    "read it",
+                    request.op,
+                    request.client,
+                )
                 continue
             self.requests_seen += 1
-            self._emit(CONTROL_REQUEST, ts.as_tuple(), {"op": request.op, "client": request.client,
-                                                        "args": request.args, "count": self.requests_seen})
+            self._emit(
+                CONTROL_REQUEST,
+                ts.as_tuple(),
+                {
+                    "op": request.op,
+                    "client": request.client,
+                    "args": request.args,
+                    "count": self.requests_seen,
+                },
+            )
             if request.op == "halt":
                 self.halts.append(request)
                 continue
-            try:  # a bad file name is refused now, alone: it never joins the requests saved together
+            # a bad file name is refused now, alone: it never joins the requests saved together
+            try:
                 check_filename(request.args.get("filename"))
             except CheckpointError as exc:
                 request.refuse(str(exc), step=ts.batch)
                 continue
             self.checkpoints.append(request)
         sigterm_checkpoint = int(self.sigterm and self.checkpoint_on_sigterm)
-        halt, due = self.agreement.agree(bool(self.halts) or self.sigterm,
-                                         len(self.checkpoints) + sigterm_checkpoint)
+        halt, due = self.agreement.agree(
+            bool(self.halts) or self.sigterm, len(self.checkpoints) + sigterm_checkpoint
+        )
         if halt:
             self.stop = True  # applied: no batch after this one trains, on any rank
             for request in self.halts:
                 request.ack(step=ts.batch, epoch=ts.epoch)
-                self.stopped_by = {"reason": request.args.get("reason", ""), "client": request.client,
-                                   "step": ts.batch}
+                self.stopped_by = {
+                    "reason": request.args.get("reason", ""),
+                    "client": request.client,
+                    "step": ts.batch,
+                }
             self.halts = []
             self._stopped_by_sigterm(ts)
         return due
@@ -125,18 +160,30 @@ class Control:
         self.poll(ts)
         self.save_due(where, ts)
 
-    def checkpoint_saved(self, requests: list[ControlRequest], path: Path, tag: str, where: str,
-                         ts: Timestamp) -> None:
+    def checkpoint_saved(
+        self, requests: list[ControlRequest], path: Path, tag: str, where: str, ts: Timestamp
+    ) -> None:
         """Ack the requests with the file written and publish checkpoint_saved."""
         self.sigterm_saved = self.sigterm_saved or self.sigterm
         for request in requests:
             request.ack(path=str(path), step=ts.batch, event=where)
         self.saves += 1
-        self._emit(CHECKPOINT_SAVED, ts.as_tuple(),
-                   {"path": str(path), "step": ts.batch, "tag": tag, "event": where,
-                    "requested_by": [[r.client, r.req] for r in requests], "count": self.saves})
+        self._emit(
+            CHECKPOINT_SAVED,
+            ts.as_tuple(),
+            {
+                "path": str(path),
+                "step": ts.batch,
+                "tag": tag,
+                "event": where,
+                "requested_by": [[r.client, r.req] for r in requests],
+                "count": self.saves,
+            },
+        )
 
-    def checkpoint_refused(self, requests: list[ControlRequest], exc: CheckpointError, ts: Timestamp) -> None:
+    def checkpoint_refused(
+        self, requests: list[ControlRequest], exc: CheckpointError, ts: Timestamp
+    ) -> None:
         for request in requests:
             request.refuse(str(exc), step=ts.batch)
         log.warning("offloop: %s; training goes on", exc)
@@ -145,7 +192,9 @@ class Control:
         """In-process twin of a halt request: stop after the current batch. The reason is
         a str, as on the wire: it goes into run.json and every stopped_by."""
         if not isinstance(reason, str):
-            raise TrainerError(f"request_halt(reason) takes a str, got {type(reason).__name__} {reason!r}")
+            raise TrainerError(
+                f"request_halt(reason) takes a str, got {type(reason).__name__} {reason!r}"
+            )
         self.stop = True
         self.stopped_by = {"reason": reason, "client": "in-process"}
 
@@ -160,8 +209,12 @@ class Control:
         under torchrun the ranks agreed at a boundary."""
         if self.sigterm:
             self._stopped_by_sigterm(ts)
-        if (self.sigterm and self.checkpoint_on_sigterm and not self.sigterm_saved
-                and not self.agreement.active):
+        if (
+            self.sigterm
+            and self.checkpoint_on_sigterm
+            and not self.sigterm_saved
+            and not self.agreement.active
+        ):
             self._save("fit_end", [[]], ts)
 
     def refuse_pending(self, ts: Timestamp) -> None:

@@ -58,7 +58,9 @@ class Decisions:
             else:
                 self._emitter.emit_tensors(topic, ts.as_tuple(), data)
             return
-        self._emitter.emit_tensors(topic, ts.as_tuple(), {**(data or {}), AWAITS: self.awaits(indexes)})
+        self._emitter.emit_tensors(
+            topic, ts.as_tuple(), {**(data or {}), AWAITS: self.awaits(indexes)}
+        )
         self._emitter.flush()  # the event leaves now (on CUDA: its tensors copied first)
         start, served = time.perf_counter(), [0.0]
 
@@ -72,17 +74,27 @@ class Decisions:
         self.served.append(served[0])
         for index in late:
             self._gave_up.add(index)
-            log.warning("offloop: callback worker %s did not answer %s within %gs (decision_timeout); its "
-                        "decisions take effect at the batch after they arrive from now on",
-                        self._workers.workers[index].name, topic, self.timeout)
+            log.warning(
+                "offloop: callback worker %s did not answer %s within %gs (decision_timeout); its "
+                "decisions take effect at the batch after they arrive from now on",
+                self._workers.workers[index].name,
+                topic,
+                self.timeout,
+            )
 
     def due(self, topic: str, ts: Timestamp) -> list[int]:
         """The workers to wait for at `topic` now (usually none)."""
         entries = self.schedule.get(topic)
         if not entries:
             return []
-        return sorted({index for index, every in entries if index not in self._gave_up
-                       and (every is None or ts.get(every.unit) % every.value == 0)})
+        return sorted(
+            {
+                index
+                for index, every in entries
+                if index not in self._gave_up
+                and (every is None or ts.get(every.unit) % every.value == 0)
+            }
+        )
 
     def awaits(self, indexes: list[int]) -> dict[str, Any]:
         """The AWAITS value of the next awaited event."""
@@ -109,27 +121,40 @@ def _declared(callback: Any) -> dict[str, Time | None]:
     name = type(callback).__name__
     declared = decides_on()
     if not isinstance(declared, dict):
-        raise ConfigError(f"callback {name}: decides_on() must return a dict of event name -> interval, "
-                          f"got {type(declared).__name__}")
+        raise ConfigError(
+            f"callback {name}: decides_on() must return a dict of event name -> interval, "
+            f"got {type(declared).__name__}"
+        )
     out: dict[str, Time | None] = {}
     for topic, interval in declared.items():
         topic = getattr(topic, "value", topic)
         if topic not in DECISION_EVENTS:
-            raise ConfigError(f"callback {name}: decides_on() names {topic!r}; decisions can be awaited at "
-                              f"{', '.join(sorted(DECISION_EVENTS))}")
+            raise ConfigError(
+                f"callback {name}: decides_on() names {topic!r}; decisions can be awaited at "
+                f"{', '.join(sorted(DECISION_EVENTS))}"
+            )
         if interval is None:
             if DECISION_EVENTS[topic]:
-                raise ConfigError(f"callback {name}: decides_on() must give {topic!r} an interval in "
-                                  "batches ('100ba'): a wait at every batch would cost every batch")
+                raise ConfigError(
+                    f"callback {name}: decides_on() must give {topic!r} an interval in "
+                    "batches ('100ba'): a wait at every batch would cost every batch"
+                )
             out[topic] = None
             continue
         try:
-            every = Time(interval, TimeUnit.BATCH) if type(interval) is int else Time.parse(interval)
+            every = (
+                Time(interval, TimeUnit.BATCH) if type(interval) is int else Time.parse(interval)
+            )
         except DurationError as exc:
             raise ConfigError(f"callback {name}: decides_on()[{topic!r}]: {exc}") from None
-        if every.unit not in (TimeUnit.BATCH, TimeUnit.EPOCH) or every.value < 1 \
-                or (DECISION_EVENTS[topic] and every.unit is not TimeUnit.BATCH):
-            raise ConfigError(f"callback {name}: decides_on()[{topic!r}] is {interval!r}; it must be a "
-                              f"positive number of {'batches' if DECISION_EVENTS[topic] else 'batches or epochs'}")
+        if (
+            every.unit not in (TimeUnit.BATCH, TimeUnit.EPOCH)
+            or every.value < 1
+            or (DECISION_EVENTS[topic] and every.unit is not TimeUnit.BATCH)
+        ):
+            raise ConfigError(
+                f"callback {name}: decides_on()[{topic!r}] is {interval!r}; it must be a "
+                f"positive number of {'batches' if DECISION_EVENTS[topic] else 'batches or epochs'}"
+            )
         out[topic] = every
     return out

@@ -71,9 +71,10 @@ class HookedRun:
 
     # ------------------------------------------------------------------ start
 
-    def start(self, model: torch.nn.Module, optimizers: list, device: torch.device, save: Save, *,
-              max_duration: Any = None, train_dataloader: Any = None, seed: int | None = None,
-              precision: str = "fp32", grad_accum: int = 1, extra_config: dict | None = None) -> None:
+    def start(self, model: torch.nn.Module, optimizers: list, device: torch.device, save: Save,
+              *, max_duration: Any = None, train_dataloader: Any = None,
+              seed: int | None = None, precision: str = "fp32", grad_accum: int = 1,
+              extra_config: dict | None = None) -> None:
         """Sockets, run.json and the workers (rank 0), then init and before_load. The host
         trainer's process group, if any, is up: every rank calls this at the same point."""
         if self.started:
@@ -253,5 +254,6 @@ def check_callbacks(callbacks: Any) -> list:
     if callbacks is None:
         return []
     if not isinstance(callbacks, (list, tuple)):
-        raise ConfigError(f"callbacks must be a list of offloop callbacks, got {type(callbacks).__name__}")
+        raise ConfigError("callbacks must be a list of offloop callbacks, "
+                          f"got {type(callbacks).__name__}")
     return list(callbacks)

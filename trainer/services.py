@@ -60,7 +60,8 @@ class RunServices:
                  device: torch.device, checkpointer, publish: bool = True,
                  run_first: RunFirst | None = None) -> None:
         self.settings, self.rank, self.checkpointer = settings, rank, checkpointer
-        server_keys = check_keys(settings.keys, settings.host, settings.insecure) if publish else None
+        server_keys = (check_keys(settings.keys, settings.host, settings.insecure)
+                       if publish else None)
         # a worker that hears no heartbeat for 10 intervals (3 s at least) takes the trainer
         # for dead
         self.workers = CallbackWorkers(
@@ -74,7 +75,8 @@ class RunServices:
             self.sockets.start(agreement, run_dir, run_name, world_size, config)
         self.publisher = self.sockets.publisher if self.sockets else None
         self.server = self.sockets.control if self.sockets else None
-        self.emitter = open_emitter(self.publisher, device, float(settings.burst_interval), run_first)
+        self.emitter = open_emitter(self.publisher, device, float(settings.burst_interval),
+                                    run_first)
         self.control = Control(self.server, agreement, self.emitter, checkpointer,
                                checkpoint_on_sigterm=settings.checkpoint_on_sigterm,
                                saves_after_fit=rank == 0 and world_size == 1)

@@ -404,7 +404,8 @@ class Trainer:
         self.model.train()
 
     def _evaluate(self, label: str, loader: Iterable) -> dict[str, Any]:
-        ts, emit = self.timestamp.as_tuple(), self.emitter.emit
+        ts, emitter, bare = self.timestamp.as_tuple(), self.emitter, self._bare_model
+        emit = emitter.emit
         for metric in self.eval_metrics.values():
             metric.reset()
         emit(Topic.EVAL_START, ts, {"dataloader_label": label})
@@ -416,35 +417,29 @@ class Trainer:
                 emit(Topic.EVAL_BATCH_START, ts, {"dataloader_label": label})
                 emit(Topic.EVAL_BEFORE_FORWARD, ts, {"dataloader_label": label})
                 with arguments.autocast(self.precision, self._device_type):
-                    outputs = batches.eval_forward(self.model, self._bare_model, self.loss_fn, batch)
+                    outputs = batches.eval_forward(self.model, bare, self.loss_fn, batch)
                 emit(Topic.EVAL_AFTER_FORWARD, ts, {"dataloader_label": label})
-                expected = batches.targets(self._bare_model, self.loss_fn, batch)
-                batches.update_metrics(self.eval_metrics, self._bare_model, self.loss_fn, batch, outputs, expected)
-                size = batches.batch_size(batch)
-                batch_loss = batches.eval_loss(self._bare_model, self.loss_fn, outputs, batch).detach() * size
+                batch_loss, size, data = batches.eval_results(
+                    bare, self.loss_fn, self.eval_metrics, batch, outputs,
+                    self.publish_eval_outputs)
                 loss_sum = batch_loss if loss_sum is None else loss_sum + batch_loss
                 count += size
-                data: dict[str, Any] = {"dataloader_label": label, "loss": batch_loss / size}
-                if self.publish_eval_outputs:
-                    data["outputs"] = outputs.detach()
-                    data["targets"] = expected.detach() if expected is not None else None
-                    inputs = batches.pair(batch)[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
-                    if isinstance(inputs, torch.Tensor):
-                        data["inputs"] = inputs.detach()
-                self.emitter.emit_tensors(Topic.EVAL_BATCH_END, ts, data)
-                self.emitter.release_due()
+                emitter.emit_tensors(Topic.EVAL_BATCH_END, ts, {"dataloader_label": label, **data})
+                emitter.release_due()
         metrics = {name: metric.compute() for name, metric in self.eval_metrics.items()}
         metrics |= self.readings.user_metrics.take()  # what the model logged while evaluating
         if loss_sum is not None:
             metrics["loss"] = loss_sum / max(count, 1)
-        self._decisions.fire(Topic.EVAL_END, self.timestamp, {"dataloader_label": label, "metrics": metrics})
-        self.emitter.release()
+        self._decisions.fire(Topic.EVAL_END, self.timestamp,
+                             {"dataloader_label": label, "metrics": metrics})
+        emitter.release()
         return metrics
 
     def eval(self, eval_dataloader: Iterable | Mapping[str, Iterable] | None = None) -> dict:
         """Standalone evaluation: EVAL_STANDALONE_START … EVAL_STANDALONE_END."""
         self._check_open("eval")
-        loaders = arguments.eval_loaders(eval_dataloader) if eval_dataloader is not None else self.eval_dataloaders
+        loaders = (arguments.eval_loaders(eval_dataloader) if eval_dataloader is not None
+                   else self.eval_dataloaders)
         if not loaders:
             raise ConfigError("eval() needs an eval_dataloader (here or in Trainer)")
         ts = self.timestamp.as_tuple()
@@ -466,14 +461,17 @@ class Trainer:
                 batch = batches.to_device(batch, self.device)
                 emit(Topic.PREDICT_BATCH_START, ts)
                 emit(Topic.PREDICT_BEFORE_FORWARD, ts)
-                inputs = batches.pair(batch)[0] if self.loss_fn is not None and isinstance(batch, (tuple, list)) else batch
+                paired = self.loss_fn is not None and isinstance(batch, (tuple, list))
+                inputs = batches.pair(batch)[0] if paired else batch
                 outputs = self.model(inputs)
                 emit(Topic.PREDICT_AFTER_FORWARD, ts)
                 emit(Topic.PREDICT_BATCH_END, ts, {"batch_size": batches.batch_size(batch)})
                 self.emitter.release_due()
                 if return_outputs:
-                    outputs_all.append(outputs.detach().cpu() if isinstance(outputs, torch.Tensor) else outputs)
-        self.emitter.emit_tensors(Topic.PREDICT_END, ts, {"metrics": self.readings.user_metrics.take()})
+                    outputs_all.append(outputs.detach().cpu() if isinstance(outputs, torch.Tensor)
+                                       else outputs)
+        metrics = self.readings.user_metrics.take()  # what the model logged while predicting
+        self.emitter.emit_tensors(Topic.PREDICT_END, ts, {"metrics": metrics})
         self.emitter.flush()
         return outputs_all
 
@@ -483,7 +481,7 @@ class Trainer:
         """Let every callback worker see fit_end, close the stream, mark the run finished."""
         if self.services.closed:
             return
-        atexit.unregister(self.close)  # nothing global holds a closed Trainer (its model, CUDA memory)
+        atexit.unregister(self.close)  # nothing global holds a closed Trainer (model, CUDA memory)
         self.readings.user_metrics.close()  # log_metrics() goes to an open Trainer only
         self.services.close(self.timestamp, wait_for_workers)
 
