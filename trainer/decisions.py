@@ -51,7 +51,8 @@ class Decisions:
         """Publish `topic` (`data` may hold tensors); where a worker decides on it now, send
         it at once and wait for that worker's answer, its requests served meanwhile
         (`Control.serve(topic, ts)`)."""
-        indexes = self.due(topic, ts)
+        # the usual event, where no worker decides, costs a dict lookup (no call)
+        indexes = self.due(topic, ts) if topic in self.schedule else None
         if not indexes:
             if data is None:
                 self._emitter.emit(topic, ts.as_tuple())
