@@ -127,8 +127,8 @@ def boundary_waits(root: Path, epochs: int, part: str = "boundary", loggers: lis
                            loggers=loggers)
     with trainer:
         trainer.fit()
-    waits = [(w - s) * 1e3 for w, s in zip(trainer._decisions.waits, trainer._decisions.served, strict=True)]
-    served = [s * 1e3 for s in trainer._decisions.served]
+    waits = [(w - s) * 1e3 for w, s in zip(trainer.services.decisions.waits, trainer.services.decisions.served, strict=True)]
+    served = [s * 1e3 for s in trainer.services.decisions.served]
     return {"part": part, "waits": len(waits), "wait_p50_ms": round(statistics.median(waits), 3),
             "wait_mean_ms": round(statistics.fmean(waits), 3), "wait_p90_ms": round(percentile(waits, 0.9), 3),
             "wait_max_ms": round(max(waits), 3), "serve_p50_ms": round(statistics.median(served), 3)}

@@ -11,16 +11,33 @@ import torch
 
 from offloop.trainer.errors import TrainerError
 
-__all__ = ["pair", "batch_size", "split", "to_device", "loader_len", "scalar", "eval_forward", "targets",
-           "eval_loss"]
+__all__ = [
+    "pair",
+    "batch_size",
+    "split",
+    "to_device",
+    "loader_len",
+    "scalar",
+    "eval_forward",
+    "targets",
+    "eval_loss",
+    "eval_results",
+]
 
 
 def pair(batch: Any) -> tuple[Any, Any]:
     """(input, target) of a batch trained with loss_fn=; names what it got otherwise."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
-    shape = f"a dict with keys {sorted(batch)}" if isinstance(batch, Mapping) else (
-        f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else type(batch).__name__)
+    shape = (
+        f"a dict with keys {sorted(batch)}"
+        if isinstance(batch, Mapping)
+        else (
+            f"a {type(batch).__name__} of {len(batch)}"
+            if isinstance(batch, (tuple, list))
+            else type(batch).__name__
+        )
+    )
     raise TrainerError(f"with loss_fn= a batch must be an (input, target) pair; got {shape}")
 
 
@@ -45,8 +62,10 @@ def split(batch: Any, n: int, size: int | None = None) -> list:
         return list(torch.chunk(batch, n) if size is None else torch.split(batch, size))
     if isinstance(batch, (tuple, list)):
         parts = [split(x, n, size) for x in batch]
-        return [type(batch)(p[i] for p in parts) if isinstance(batch, tuple) else [p[i] for p in parts]
-                for i in range(len(parts[0]))]
+        return [
+            type(batch)(p[i] for p in parts) if isinstance(batch, tuple) else [p[i] for p in parts]
+            for i in range(len(parts[0]))
+        ]
     if isinstance(batch, Mapping):
         parts = {k: split(v, n, size) for k, v in batch.items()}
         return [{k: v[i] for k, v in parts.items()} for i in range(len(next(iter(parts.values()))))]
@@ -112,14 +131,18 @@ def targets(bare: Any, loss_fn: Any, batch: Any) -> Any:
     return pair(batch)[1]
 
 
-def update_metrics(metrics: dict, bare: Any, loss_fn: Any, batch: Any, outputs: Any, expected: Any) -> None:
+def update_metrics(
+    metrics: dict, bare: Any, loss_fn: Any, batch: Any, outputs: Any, expected: Any
+) -> None:
     """Each eval metric updated with the batch: by the model's `update_metric` where it
     follows Composer's protocol (no loss_fn) and has one, else with (outputs, targets)."""
     update = getattr(bare, "update_metric", None) if loss_fn is None else None
     if update is None and expected is None and metrics:
-        raise TrainerError(f"{type(bare).__name__} has no update_metric(batch, outputs, metric) or "
-                           "get_targets(batch), and its batches are not (input, target) pairs: the eval "
-                           "metrics cannot know the targets")
+        raise TrainerError(
+            f"{type(bare).__name__} has no update_metric(batch, outputs, metric) or "
+            "get_targets(batch), and its batches are not (input, target) pairs: the eval "
+            "metrics cannot know the targets"
+        )
     for metric in metrics.values():
         if update is not None:
             update(batch, outputs, metric)
@@ -129,3 +152,22 @@ def update_metrics(metrics: dict, bare: Any, loss_fn: Any, batch: Any, outputs: 
 
 def eval_loss(bare: Any, loss_fn: Any, outputs: Any, batch: Any) -> torch.Tensor:
     return bare.loss(outputs, batch) if loss_fn is None else loss_fn(outputs, pair(batch)[1])
+
+
+def eval_results(bare: Any, loss_fn: Any, metrics: Mapping, batch: Any, outputs: Any,
+                 with_outputs: bool) -> tuple[torch.Tensor, int, dict[str, Any]]:
+    """After an eval batch's forward: `metrics` updated; its summed loss, its size, and
+    what its eval_batch_end carries beyond the label (the mean loss; with `with_outputs`
+    the outputs, targets and, for an (input, target) pair, the inputs)."""
+    expected = targets(bare, loss_fn, batch)
+    update_metrics(metrics, bare, loss_fn, batch, outputs, expected)
+    size = batch_size(batch)
+    loss = eval_loss(bare, loss_fn, outputs, batch).detach() * size
+    data: dict[str, Any] = {"loss": loss / size}
+    if with_outputs:
+        data["outputs"] = outputs.detach()
+        data["targets"] = expected.detach() if expected is not None else None
+        inputs = pair(batch)[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
+        if isinstance(inputs, torch.Tensor):
+            data["inputs"] = inputs.detach()
+    return loss, size, data

@@ -24,9 +24,22 @@ from offloop.bus import ControlRequest, Timestamp
 from offloop.bus.discovery import pid_alive
 from offloop.trainer.errors import CheckpointError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state", "seed_everything", "FORMAT",
-           "Parts", "Checkpointer", "epoch_iterator", "requested_name", "step_name", "unused_name",
-           "check_filename"]
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "rng_state",
+    "set_rng_state",
+    "seed_everything",
+    "FORMAT",
+    "Parts",
+    "Checkpointer",
+    "HostCheckpointer",
+    "epoch_iterator",
+    "requested_name",
+    "step_name",
+    "unused_name",
+    "check_filename",
+]
 
 log = logging.getLogger("offloop.trainer")
 
@@ -61,8 +74,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def epoch_iterator(loader: Iterable, epoch_rng: dict | None, skip: int,
-                   epoch: int) -> tuple[Iterator, dict[str, Any]]:
+def epoch_iterator(
+    loader: Iterable, epoch_rng: dict | None, skip: int, epoch: int
+) -> tuple[Iterator, dict[str, Any]]:
     """An iterator over epoch `epoch` of `loader`, and the RNG state its order was drawn
     from (a DistributedSampler is told the epoch first). Resuming (`skip` batches of the
     epoch done), the order is drawn again from the saved `epoch_rng` and the done batches
@@ -88,9 +102,13 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # the writer's pid in the name: a file a killed writer left is known as such (remove_stale)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.pid{os.getpid()}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{path.name}.pid{os.getpid()}.", suffix=".tmp", dir=path.parent
+        )
     except OSError as exc:
-        raise CheckpointError(f"cannot write a checkpoint in {path.parent}: {exc.strerror or exc}") from None
+        raise CheckpointError(
+            f"cannot write a checkpoint in {path.parent}: {exc.strerror or exc}"
+        ) from None
     try:
         with os.fdopen(fd, "wb") as out:
             torch.save(payload, out)
@@ -106,7 +124,9 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
         # raised while handling the OSError; find the OSError to refuse cleanly.
         cause = _os_error(exc) if isinstance(exc, Exception) else None  # not KeyboardInterrupt
         if cause is not None:
-            raise CheckpointError(f"cannot write checkpoint {path}: {cause.strerror or cause}") from None
+            raise CheckpointError(
+                f"cannot write checkpoint {path}: {cause.strerror or cause}"
+            ) from None
         raise
     return path
 
@@ -118,10 +138,14 @@ def _publish(tmp: Path, path: Path) -> None:
     try:
         os.link(tmp, path)
     except FileExistsError:
-        raise CheckpointError(f"checkpoint {path} exists: a checkpoint is never written over") from None
+        raise CheckpointError(
+            f"checkpoint {path} exists: a checkpoint is never written over"
+        ) from None
     except OSError:  # no hard links here (EPERM, ENOTSUP, EXDEV ...)
         if path.exists():
-            raise CheckpointError(f"checkpoint {path} exists: a checkpoint is never written over") from None
+            raise CheckpointError(
+                f"checkpoint {path} exists: a checkpoint is never written over"
+            ) from None
         os.replace(tmp, path)
         return
     tmp.unlink()
@@ -171,7 +195,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"load_path {str(path)!r} is not a readable offloop checkpoint: {exc}") from None
+        raise CheckpointError(
+            f"load_path {str(path)!r} is not a readable offloop checkpoint: {exc}"
+        ) from None
 
 
 # ------------------------------------------------------------- the trainer's checkpoints
@@ -180,25 +206,61 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 class Parts:
     """What a checkpoint saves and restores of a training run (the model unwrapped from DDP)."""
 
-    def __init__(self, model: torch.nn.Module, optimizers: list, schedulers: list, scaler: Any,
-                 algorithms: Sequence = ()) -> None:
-        self.model, self.optimizers, self.schedulers, self.scaler = model, optimizers, schedulers, scaler
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizers: list,
+        schedulers: list,
+        scaler: Any,
+        algorithms: Sequence = (),
+    ) -> None:
+        self.model, self.optimizers, self.schedulers, self.scaler = (
+            model,
+            optimizers,
+            schedulers,
+            scaler,
+        )
         self.algorithms = list(algorithms)  # each one's state_dict() travels with the checkpoint
 
 
 class Checkpointer:
     """Writes the run's checkpoints into `folder` (rank 0 writes; every rank takes part)
-    and restores one; `written` lists every file written, in order."""
+    and restores one; `written` lists every file written, in order. It keeps the data
+    order's place too: the RNG state each epoch's order is drawn from (`epoch_batches()`)
+    and, after `restore()`, the batches of that epoch already trained."""
 
-    def __init__(self, parts: Parts, agreement, folder: Path, *, rank: int, seed: int, run_name: str) -> None:
+    writes_in_loop = True  # Control writes requested checkpoints through it as they come
+
+    def __init__(
+        self, parts: Parts, agreement, folder: Path, *, rank: int, seed: int, run_name: str
+    ) -> None:
         self.parts, self.agreement, self.folder = parts, agreement, folder
         self.rank, self.seed, self.run_name = rank, seed, run_name
         self.written: list[str] = []
+        self.epoch_rng: dict | None = None  # the RNG state this epoch's data order is drawn from
+        self._resume_batches = 0  # batches of the restored epoch already trained
         if rank == 0:
             for name in remove_stale(folder):
-                log.warning("offloop: removed %s in %s, left by a checkpoint write that was killed", name, folder)
+                log.warning(
+                    "offloop: removed %s in %s, left by a checkpoint write that was killed",
+                    name,
+                    folder,
+                )
 
-    def write(self, ts: Timestamp, epoch_rng: dict | None, tag: str, filename: str | None) -> tuple[Path, str]:
+    def epoch_batches(self, loader: Iterable, epoch: int) -> Iterator:
+        """An iterator over epoch `epoch` of `loader` (the first after restore() skips the
+        batches already trained); its order's RNG state is kept for the checkpoints."""
+        iterator, self.epoch_rng = epoch_iterator(
+            loader, self.epoch_rng, self._resume_batches, epoch
+        )
+        self._resume_batches = 0
+        return iterator
+
+    def write_requested(self, ts: Timestamp, requests: list[ControlRequest]) -> tuple[Path, str]:
+        """A checkpoint of step `ts` named as `requests` ask (requested_name())."""
+        return self.write(ts, *requested_name(requests))
+
+    def write(self, ts: Timestamp, tag: str, filename: str | None) -> tuple[Path, str]:
         """The file written and the tag rank 0 gave it (under torchrun the other ranks
         hold no request and learn the name and tag from rank 0)."""
         name = filename or step_name(ts, tag)
@@ -207,7 +269,7 @@ class Checkpointer:
             name, taken = unused_name(self.folder, name, explicit=filename is not None)
         # one collective on every rank (never inside `if rank == 0`); rank 0's name wins, and
         # every rank judges it after the gather, so all refuse a bad one alike
-        states = self.agreement.gather((name, tag, rng_state(), epoch_rng, taken))
+        states = self.agreement.gather((name, tag, rng_state(), self.epoch_rng, taken))
         name, tag, taken = states[0][0], states[0][1], states[0][4]
         check_filename(name)
         if taken:
@@ -215,32 +277,39 @@ class Checkpointer:
         path = self.folder / name
         if self.rank == 0:
             parts = self.parts
-            save_checkpoint(path, {
-                "format": FORMAT,
-                "model": parts.model.state_dict(),
-                "optimizers": [o.state_dict() for o in parts.optimizers],
-                "schedulers": [s.state_dict() for s in parts.schedulers],
-                "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
-                "algorithms": [a.state_dict() if hasattr(a, "state_dict") else {} for a in parts.algorithms],
-                "timestamp": ts.state_dict(),
-                "rng": [state[2] for state in states],  # every rank's, by rank
-                "epoch_rng": [state[3] for state in states],
-                "seed": self.seed,
-                "run_name": self.run_name,
-            })
+            save_checkpoint(
+                path,
+                {
+                    "format": FORMAT,
+                    "model": parts.model.state_dict(),
+                    "optimizers": [o.state_dict() for o in parts.optimizers],
+                    "schedulers": [s.state_dict() for s in parts.schedulers],
+                    "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+                    "algorithms": [
+                        a.state_dict() if hasattr(a, "state_dict") else {} for a in parts.algorithms
+                    ],
+                    "timestamp": ts.state_dict(),
+                    "rng": [state[2] for state in states],  # every rank's, by rank
+                    "epoch_rng": [state[3] for state in states],
+                    "seed": self.seed,
+                    "run_name": self.run_name,
+                },
+            )
             self.written.append(str(path))
         return path, tag
 
-    def restore(self, path: str | os.PathLike) -> tuple[Timestamp, dict | None]:
-        """Load a checkpoint into the parts and this rank's RNGs; its Timestamp and the
-        RNG state its epoch's data order was drawn from."""
+    def restore(self, path: str | os.PathLike) -> Timestamp:
+        """Load a checkpoint into the parts, this rank's RNGs and the data order's place
+        (the next epoch_batches() resumes where it stopped); its Timestamp."""
         parts, state = self.parts, load_checkpoint(path)
         if state.get("format") != FORMAT:
             raise CheckpointError(f"load_path {str(path)!r} is not an offloop checkpoint")
         parts.model.load_state_dict(state["model"])
         if len(state["optimizers"]) != len(parts.optimizers):
-            raise CheckpointError(f"checkpoint has {len(state['optimizers'])} optimizers, "
-                                  f"this trainer {len(parts.optimizers)}")
+            raise CheckpointError(
+                f"checkpoint has {len(state['optimizers'])} optimizers, "
+                f"this trainer {len(parts.optimizers)}"
+            )
         for opt, opt_state in zip(parts.optimizers, state["optimizers"], strict=True):
             opt.load_state_dict(opt_state)
         for sched, sched_state in zip(parts.schedulers, state["schedulers"], strict=False):
@@ -250,7 +319,42 @@ class Checkpointer:
         _restore_algorithms(parts.algorithms, state.get("algorithms") or [], path)
         rank = min(self.rank, len(state["rng"]) - 1)
         set_rng_state(state["rng"][rank])
-        return Timestamp.from_state_dict(state["timestamp"]), state["epoch_rng"][rank]
+        ts = Timestamp.from_state_dict(state["timestamp"])
+        self.epoch_rng, self._resume_batches = state["epoch_rng"][rank], ts.batch_in_epoch
+        return ts
+
+
+class HostCheckpointer:
+    """Requested checkpoints written by a host trainer (hooked_run.py): `save(path)` writes
+    its checkpoint at `path` on every rank and returns the path written; None for a trainer
+    that saves later itself (its integration takes the agreed requests and answers them).
+    Names as the Trainer's Checkpointer gives them: never written over, rank 0's on every rank."""
+
+    def __init__(self, save, agreement, folder: Path, *, rank: int, suffix: str) -> None:
+        self.save, self.agreement, self.folder = save, agreement, folder
+        self.rank, self.suffix = rank, suffix
+        self.writes_in_loop = save is not None
+        self.written: list[str] = []
+
+    def write_requested(self, ts: Timestamp, requests: list[ControlRequest]) -> tuple[Path, str]:
+        if self.save is None:  # only after the fit (answer_late): the host trainer no longer saves
+            raise CheckpointError("the run has finished: this trainer saves only while it trains")
+        tag, filename = requested_name(requests)
+        name = filename or step_name(ts, tag, self.suffix)
+        taken = ""
+        if self.rank == 0:
+            name, taken = unused_name(self.folder, name, explicit=filename is not None)
+        if self.agreement.active:
+            name, tag, taken = self.agreement.gather((name, tag, taken))[0]
+        check_filename(name)
+        if taken:
+            raise CheckpointError(taken)
+        try:
+            path = self.save(self.folder / name)
+        except Exception as exc:  # a full disk, a refused path: refused, training goes on
+            raise CheckpointError(f"checkpoint {name} could not be written: {exc}") from exc
+        self.written.append(str(path))
+        return Path(path), tag
 
 
 def _restore_algorithms(algorithms: list, states: list, path: str | os.PathLike) -> None:
@@ -258,12 +362,17 @@ def _restore_algorithms(algorithms: list, states: list, path: str | os.PathLike)
     them afresh (an EMA added on resume averages from the loaded weights)."""
     if not states:
         if algorithms:
-            log.warning("offloop: checkpoint %s holds no algorithm state: %s start afresh", path,
-                        ", ".join(type(a).__name__ for a in algorithms))
+            log.warning(
+                "offloop: checkpoint %s holds no algorithm state: %s start afresh",
+                path,
+                ", ".join(type(a).__name__ for a in algorithms),
+            )
         return
     if len(states) != len(algorithms):
-        raise CheckpointError(f"checkpoint {str(path)!r} holds the state of {len(states)} algorithms, this "
-                              f"trainer has {len(algorithms)}: pass the same algorithms, in the same order")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds the state of {len(states)} algorithms, this "
+            f"trainer has {len(algorithms)}: pass the same algorithms, in the same order"
+        )
     for algorithm, algorithm_state in zip(algorithms, states, strict=True):
         if hasattr(algorithm, "load_state_dict"):
             algorithm.load_state_dict(algorithm_state)
@@ -281,11 +390,17 @@ def unused_name(folder: Path, name: str, explicit: bool) -> tuple[str, str]:
     if not (folder / name).exists():
         return name, ""
     if explicit:
-        return name, (f"checkpoint {folder / name} exists: a checkpoint is never written over "
-                      "(ask for another filename)")
+        return name, (
+            f"checkpoint {folder / name} exists: a checkpoint is never written over "
+            "(ask for another filename)"
+        )
     stem, dot, suffix = name.rpartition(".")
     stem, suffix = (stem, dot + suffix) if dot else (name, "")
-    return next(f"{stem}-{n}{suffix}" for n in itertools.count(2) if not (folder / f"{stem}-{n}{suffix}").exists()), ""
+    return next(
+        f"{stem}-{n}{suffix}"
+        for n in itertools.count(2)
+        if not (folder / f"{stem}-{n}{suffix}").exists()
+    ), ""
 
 
 def requested_name(requests: Sequence[ControlRequest]) -> tuple[str, str | None]:
@@ -307,5 +422,7 @@ def safe_name(text: str) -> str:
 def check_filename(name: Any) -> None:
     """A checkpoint file name must stay in the save folder: letters, digits, '.', '-', '_'."""
     if name is not None and (not isinstance(name, str) or not name or safe_name(name) != name):
-        raise CheckpointError(f"checkpoint filename {name!r} must be a plain file name "
-                              "(letters, digits, '.', '-', '_')")
+        raise CheckpointError(
+            f"checkpoint filename {name!r} must be a plain file name "
+            "(letters, digits, '.', '-', '_')"
+        )

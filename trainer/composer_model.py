@@ -48,13 +48,19 @@ class ComposerClassifier(ComposerModel):
         self.module, self._loss_fn = module, loss_fn
         self.num_classes = getattr(module, "num_classes", num_classes)
         if self.num_classes is None and (train_metrics is None or val_metrics is None):
-            raise ValueError("ComposerClassifier: give num_classes (or the module a num_classes), or both "
-                             "train_metrics and val_metrics")
+            raise ValueError(
+                "ComposerClassifier: give num_classes (or the module a num_classes), or both "
+                "train_metrics and val_metrics"
+            )
         if train_metrics is None or val_metrics is None:
             from torchmetrics.classification import MulticlassAccuracy
 
-            train_metrics = train_metrics or MulticlassAccuracy(num_classes=self.num_classes, average="micro")
-            val_metrics = val_metrics or MulticlassAccuracy(num_classes=self.num_classes, average="micro")
+            train_metrics = train_metrics or MulticlassAccuracy(
+                num_classes=self.num_classes, average="micro"
+            )
+            val_metrics = val_metrics or MulticlassAccuracy(
+                num_classes=self.num_classes, average="micro"
+            )
         self.train_metrics, self.val_metrics = train_metrics, val_metrics
 
     def forward(self, batch: Any) -> torch.Tensor:

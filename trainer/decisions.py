@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from offloop.bus import AWAITS, DECISION_EVENTS, Time, Timestamp, TimeUnit
@@ -30,41 +29,45 @@ _KEEP_WAITS = 10_000
 
 class Decisions:
     """The declared decision points of each worker, and the waits at them: `fire()` is
-    handed the emitter, the workers and `serve` (which answers requests: a halt is applied,
-    a checkpoint written) and knows no Trainer."""
+    handed the emitter, the workers and the run's `Control` (whose `serve()` answers
+    requests while it waits: a halt is applied, a checkpoint written) and knows no Trainer.
+    A request wakes a wait only where the control server calls `workers.wake` on arrival
+    (RunServices wires it)."""
 
-    def __init__(self, schedule: dict[str, list[tuple[int, Time | None]]], timeout: float, emitter, workers,
-                 control, serve: Callable[[str], None]) -> None:
+    def __init__(self, schedule: dict[str, list[tuple[int, Time | None]]], timeout: float,
+                 emitter, workers, control) -> None:
         self.schedule = schedule  # decision_schedule()'s
         self.timeout = timeout
-        self._emitter, self._workers, self._serve = emitter, workers, serve
-        if control is not None and self.schedule:
-            control.on_request = workers.wake  # a request wakes a wait: answered at once
+        self._emitter, self._workers, self._control = emitter, workers, control
         self.ident = 0  # the id of the last awaited event
-        # seconds each of the latest waits took (benchmarks/control_latency.py), and of it serving
-        # requests (a checkpoint's write, say); bounded: a '1ba' interval waits at every batch
+        # seconds each of the latest waits took (benchmarks/control_latency.py), and of it
+        # serving requests (a checkpoint's write, say); bounded: a '1ba' interval waits at
+        # every batch
         self.waits: deque[float] = deque(maxlen=_KEEP_WAITS)
         self.served: deque[float] = deque(maxlen=_KEEP_WAITS)
         self._gave_up: set[int] = set()  # workers that missed a wait: asynchronous from then on
 
     def fire(self, topic: str, ts: Timestamp, data: dict | None = None) -> None:
         """Publish `topic` (`data` may hold tensors); where a worker decides on it now, send
-        it at once and wait for that worker's answer, its requests served by `serve(topic)`
-        meanwhile."""
-        indexes = self.due(topic, ts)
+        it at once and wait for that worker's answer, its requests served meanwhile
+        (`Control.serve(topic, ts)`)."""
+        # the usual event, where no worker decides, costs a dict lookup (no call)
+        indexes = self.due(topic, ts) if topic in self.schedule else None
         if not indexes:
             if data is None:
                 self._emitter.emit(topic, ts.as_tuple())
             else:
                 self._emitter.emit_tensors(topic, ts.as_tuple(), data)
             return
-        self._emitter.emit_tensors(topic, ts.as_tuple(), {**(data or {}), AWAITS: self.awaits(indexes)})
+        self._emitter.emit_tensors(
+            topic, ts.as_tuple(), {**(data or {}), AWAITS: self.awaits(indexes)}
+        )
         self._emitter.flush()  # the event leaves now (on CUDA: its tensors copied first)
         start, served = time.perf_counter(), [0.0]
 
         def serve() -> None:
             began = time.perf_counter()
-            self._serve(topic)
+            self._control.serve(topic, ts)
             served[0] += time.perf_counter() - began
 
         late = self._workers.wait_answers(indexes, self.ident, self.timeout, serve)
@@ -72,17 +75,27 @@ class Decisions:
         self.served.append(served[0])
         for index in late:
             self._gave_up.add(index)
-            log.warning("offloop: callback worker %s did not answer %s within %gs (decision_timeout); its "
-                        "decisions take effect at the batch after they arrive from now on",
-                        self._workers.workers[index].name, topic, self.timeout)
+            log.warning(
+                "offloop: callback worker %s did not answer %s within %gs (decision_timeout); its "
+                "decisions take effect at the batch after they arrive from now on",
+                self._workers.workers[index].name,
+                topic,
+                self.timeout,
+            )
 
     def due(self, topic: str, ts: Timestamp) -> list[int]:
         """The workers to wait for at `topic` now (usually none)."""
         entries = self.schedule.get(topic)
         if not entries:
             return []
-        return sorted({index for index, every in entries if index not in self._gave_up
-                       and (every is None or ts.get(every.unit) % every.value == 0)})
+        return sorted(
+            {
+                index
+                for index, every in entries
+                if index not in self._gave_up
+                and (every is None or ts.get(every.unit) % every.value == 0)
+            }
+        )
 
     def awaits(self, indexes: list[int]) -> dict[str, Any]:
         """The AWAITS value of the next awaited event."""
@@ -109,27 +122,40 @@ def _declared(callback: Any) -> dict[str, Time | None]:
     name = type(callback).__name__
     declared = decides_on()
     if not isinstance(declared, dict):
-        raise ConfigError(f"callback {name}: decides_on() must return a dict of event name -> interval, "
-                          f"got {type(declared).__name__}")
+        raise ConfigError(
+            f"callback {name}: decides_on() must return a dict of event name -> interval, "
+            f"got {type(declared).__name__}"
+        )
     out: dict[str, Time | None] = {}
     for topic, interval in declared.items():
         topic = getattr(topic, "value", topic)
         if topic not in DECISION_EVENTS:
-            raise ConfigError(f"callback {name}: decides_on() names {topic!r}; decisions can be awaited at "
-                              f"{', '.join(sorted(DECISION_EVENTS))}")
+            raise ConfigError(
+                f"callback {name}: decides_on() names {topic!r}; decisions can be awaited at "
+                f"{', '.join(sorted(DECISION_EVENTS))}"
+            )
         if interval is None:
             if DECISION_EVENTS[topic]:
-                raise ConfigError(f"callback {name}: decides_on() must give {topic!r} an interval in "
-                                  "batches ('100ba'): a wait at every batch would cost every batch")
+                raise ConfigError(
+                    f"callback {name}: decides_on() must give {topic!r} an interval in "
+                    "batches ('100ba'): a wait at every batch would cost every batch"
+                )
             out[topic] = None
             continue
         try:
-            every = Time(interval, TimeUnit.BATCH) if type(interval) is int else Time.parse(interval)
+            every = (
+                Time(interval, TimeUnit.BATCH) if type(interval) is int else Time.parse(interval)
+            )
         except DurationError as exc:
             raise ConfigError(f"callback {name}: decides_on()[{topic!r}]: {exc}") from None
-        if every.unit not in (TimeUnit.BATCH, TimeUnit.EPOCH) or every.value < 1 \
-                or (DECISION_EVENTS[topic] and every.unit is not TimeUnit.BATCH):
-            raise ConfigError(f"callback {name}: decides_on()[{topic!r}] is {interval!r}; it must be a "
-                              f"positive number of {'batches' if DECISION_EVENTS[topic] else 'batches or epochs'}")
+        if (
+            every.unit not in (TimeUnit.BATCH, TimeUnit.EPOCH)
+            or every.value < 1
+            or (DECISION_EVENTS[topic] and every.unit is not TimeUnit.BATCH)
+        ):
+            raise ConfigError(
+                f"callback {name}: decides_on()[{topic!r}] is {interval!r}; it must be a "
+                f"positive number of {'batches' if DECISION_EVENTS[topic] else 'batches or epochs'}"
+            )
         out[topic] = every
     return out

@@ -11,7 +11,15 @@ import torch.distributed as dist
 
 from offloop.bus.discovery import at_host
 
-__all__ = ["rank", "world_size", "is_distributed", "local_rank", "init_from_env", "ControlAgreement", "reachable"]
+__all__ = [
+    "rank",
+    "world_size",
+    "is_distributed",
+    "local_rank",
+    "init_from_env",
+    "ControlAgreement",
+    "reachable",
+]
 
 
 def is_distributed() -> bool:
@@ -51,7 +59,9 @@ def reachable(endpoint: str, master: str | None = None) -> str:
     when there is no such route)."""
     master = master or os.environ.get("MASTER_ADDR", "")
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # a route lookup; nothing is sent
+        with socket.socket(
+            socket.AF_INET, socket.SOCK_DGRAM
+        ) as probe:  # a route lookup; nothing is sent
             probe.connect((master, 9))
             address = probe.getsockname()[0]
     except OSError:

@@ -60,7 +60,9 @@ class GradBuffer:
         self.grads: list[torch.Tensor] = []
         for p in params:
             # set_() rather than a view: each gradient keeps a version counter of its own
-            self.grads.append(torch.empty(0, dtype=p.dtype).set_(storage, offset, p.shape, p.stride()))
+            self.grads.append(
+                torch.empty(0, dtype=p.dtype).set_(storage, offset, p.shape, p.stride())
+            )
             offset += p.numel()
         self._versions = list(map(_VERSION, self.grads))
         self._none: list[tuple[nn.Parameter, torch.Tensor]] = []  # .grad set to None last step
@@ -74,11 +76,14 @@ class GradBuffer:
     def pays_off(cls, params: list[nn.Parameter]) -> bool:
         """Whether the buffer saves a step more than it costs (the rule behind "auto")."""
         trainable = [p for p in params if p.requires_grad]
-        return bool(trainable) and sum(p.numel() for p in trainable) <= cls.SMALL_TENSORS * len(trainable)
+        return bool(trainable) and sum(p.numel() for p in trainable) <= cls.SMALL_TENSORS * len(
+            trainable
+        )
 
     @classmethod
-    def adopt(cls, model: nn.Module, params: list[nn.Parameter],
-              optimizers: list[torch.optim.Optimizer]) -> GradBuffer | None:
+    def adopt(
+        cls, model: nn.Module, params: list[nn.Parameter], optimizers: list[torch.optim.Optimizer]
+    ) -> GradBuffer | None:
         """After a fit's first backward (gradients made by `zero_grad(set_to_none=True)`
         and backward): a buffer holding those gradients from now on, or None where one
         would change what the optimizer or the model sees."""
@@ -86,20 +91,38 @@ class GradBuffer:
         if not trainable or isinstance(model, nn.parallel.DistributedDataParallel):
             return None
         dtype = trainable[0].dtype
-        if any(p.device.type != "cpu" or p.dtype != dtype or p.layout != torch.strided
-               or not p.is_contiguous() for p in trainable) or not dtype.is_floating_point:
+        if (
+            any(
+                p.device.type != "cpu"
+                or p.dtype != dtype
+                or p.layout != torch.strided
+                or not p.is_contiguous()
+                for p in trainable
+            )
+            or not dtype.is_floating_point
+        ):
             return None
         for p in trainable:
             g = p.grad
-            if g is not None and (g.layout != torch.strided or g.dtype != dtype
-                                  or g.shape != p.shape or not g.is_contiguous()):
+            if g is not None and (
+                g.layout != torch.strided
+                or g.dtype != dtype
+                or g.shape != p.shape
+                or not g.is_contiguous()
+            ):
                 return None
         if any(getattr(m, "sparse", False) is True for m in model.modules()):
             return None  # nn.Embedding(sparse=True): its gradients must stay sparse
-        optimized = {id(p) for opt in optimizers for group in opt.param_groups
-                     for p in group["params"] if p.requires_grad}
-        if optimized != {id(p) for p in trainable} or \
-                any(type(opt).zero_grad is not torch.optim.Optimizer.zero_grad for opt in optimizers):
+        optimized = {
+            id(p)
+            for opt in optimizers
+            for group in opt.param_groups
+            for p in group["params"]
+            if p.requires_grad
+        }
+        if optimized != {id(p) for p in trainable} or any(
+            type(opt).zero_grad is not torch.optim.Optimizer.zero_grad for opt in optimizers
+        ):
             return None
         buffer = cls(trainable)
         for p, g in zip(trainable, buffer.grads, strict=True):
@@ -126,8 +149,10 @@ class GradBuffer:
         none = self._none
         for p, g, version in zip(self.params, self.grads, self._versions, strict=True):
             if p.grad is not g:
-                log.warning("offloop: a parameter's .grad was replaced during a step; the trainer "
-                            "goes back to zero_grad(set_to_none=True) for the rest of this fit")
+                log.warning(
+                    "offloop: a parameter's .grad was replaced during a step; the trainer "
+                    "goes back to zero_grad(set_to_none=True) for the rest of this fit"
+                )
                 return False
             if g._version == version:  # backward did not accumulate into it
                 p.grad = None

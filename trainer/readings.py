@@ -25,12 +25,23 @@ _LR, _PARAM_GROUPS = itemgetter("lr"), attrgetter("param_groups")  # read in C a
 class StepReadings:
     """Builds after_train_batch's and batch_end's data; `host` is the Emitter's."""
 
-    def __init__(self, device: torch.device, optimizers: list, host: Callable[[torch.Tensor], Any], *,
-                 per_param_grad_norms: bool, publish_samples: int, flops_fn: Callable | None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        optimizers: list,
+        host: Callable[[torch.Tensor], Any],
+        *,
+        per_param_grad_norms: bool,
+        publish_samples: int,
+        flops_fn: Callable | None,
+    ) -> None:
         self.device, self.optimizers, self.host = device, optimizers, host
         self._device_type = device.type  # read per batch: torch.device.type builds a new str
-        self.per_param_grad_norms, self.publish_samples, self.flops_fn = \
-            per_param_grad_norms, publish_samples, flops_fn
+        self.per_param_grad_norms, self.publish_samples, self.flops_fn = (
+            per_param_grad_norms,
+            publish_samples,
+            flops_fn,
+        )
         self._names: list[str] = []
         self.params: list[torch.nn.Parameter] = []  # the model's, in named_parameters() order
         #: CUDA allocator counters or the peak resident memory, as last read (published as is)
@@ -70,7 +81,9 @@ class StepReadings:
             snapshot["param_grad_norms"] = dict(zip(names, norms, strict=True))
         return snapshot
 
-    def batch_end(self, loss: Any, size: int, step: int, batch: Any, micro: Any, outputs: Any) -> dict[str, Any]:
+    def batch_end(
+        self, loss: Any, size: int, step: int, batch: Any, micro: Any, outputs: Any
+    ) -> dict[str, Any]:
         """What batch_end callbacks read; `micro` and `outputs` are the step's last microbatch's."""
         snapshot: dict[str, Any] = {
             "loss": loss,
@@ -79,7 +92,11 @@ class StepReadings:
         }
         if self._memory is None or not step % 16:  # read every 16 steps (docs/trainer.md)
             # a new dict: held events keep theirs
-            self._memory = _cuda_memory(self.device) if self._device_type == "cuda" else {"max_rss_bytes": _max_rss()}
+            self._memory = (
+                _cuda_memory(self.device)
+                if self._device_type == "cuda"
+                else {"max_rss_bytes": _max_rss()}
+            )
         snapshot["memory"] = self._memory
         if self.user_metrics.values:
             snapshot["metrics"] = self.user_metrics.take()
@@ -100,16 +117,23 @@ class StepReadings:
 def describe_optimizer(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """An optimizer as the run config shows it: its name and its first group's settings."""
     group = opt.param_groups[0] if opt.param_groups else {}
-    return {"name": type(opt).__name__, "param_groups": len(opt.param_groups),
-            **{k: v for k, v in group.items() if isinstance(v, (int, float, str, bool))}}
+    return {
+        "name": type(opt).__name__,
+        "param_groups": len(opt.param_groups),
+        **{k: v for k, v in group.items() if isinstance(v, (int, float, str, bool))},
+    }
 
 
 def _cuda_memory(device: torch.device) -> dict[str, int]:
     """Allocator counters, read on the host: no device synchronisation. The nested dict is
     the allocator's own; memory_stats() and memory_allocated() flatten all of it in Python
-    first, several times the cost (benchmarks/trainer_overhead.py --device cuda, `ratio_bus_on_mean`)."""
+    first, several times the cost (benchmarks/trainer_overhead.py --device cuda,
+    `ratio_bus_on_mean`)."""
     stats = torch.cuda.memory_stats_as_nested_dict(device)
-    allocated, reserved = stats.get("allocated_bytes", {}).get("all", {}), stats.get("reserved_bytes", {}).get("all", {})
+    allocated, reserved = (
+        stats.get("allocated_bytes", {}).get("all", {}),
+        stats.get("reserved_bytes", {}).get("all", {}),
+    )
     return {
         "allocated_bytes": allocated.get("current", 0),
         "reserved_bytes": reserved.get("current", 0),

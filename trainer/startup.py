@@ -33,16 +33,35 @@ def name_run(run_name: str | None, run_dir: str | os.PathLike | None,
     directory's, or to the time and id; the directory to $OFFLOOP_RUNS (runs/) / name; the
     checkpoint folder's `{run_name}` is filled in (Composer's save_folder)."""
     run_id = uuid.uuid4().hex[:12]
-    run_name = run_name or (Path(run_dir).name if run_dir else f"run-{time.strftime('%Y%m%d-%H%M%S')}-{run_id[:6]}")
+    run_name = run_name or (
+        Path(run_dir).name if run_dir else f"run-{time.strftime('%Y%m%d-%H%M%S')}-{run_id[:6]}"
+    )
     run_dir = Path(run_dir) if run_dir else Path(os.environ.get("OFFLOOP_RUNS", "runs")) / run_name
-    folder = Path(str(save_folder).replace("{run_name}", run_name)) if save_folder else run_dir / "checkpoints"
+    folder = (
+        Path(str(save_folder).replace("{run_name}", run_name))
+        if save_folder
+        else run_dir / "checkpoints"
+    )
     return run_id, run_name, run_dir, folder.absolute()
 
 
-def run_config(model: torch.nn.Module, *, run_name: str, run_id: str, seed: int, max_duration: Any,
-               train_dataloader: Any, eval_intervals: dict, eval_dataloaders: dict, world_size: int,
-               device: torch.device, precision: str, grad_accum: int, optimizers: list,
-               hparams: dict) -> dict[str, Any]:
+def run_config(
+    model: torch.nn.Module,
+    *,
+    run_name: str,
+    run_id: str,
+    seed: int,
+    max_duration: Any,
+    train_dataloader: Any,
+    eval_intervals: dict,
+    eval_dataloaders: dict,
+    world_size: int,
+    device: torch.device,
+    precision: str,
+    grad_accum: int,
+    optimizers: list,
+    hparams: dict,
+) -> dict[str, Any]:
     """The run config: what run.json, a late joiner and every `init`/`fit_start` carry."""
     return {
         "run_name": run_name,
@@ -83,18 +102,32 @@ def check_keys(keys: str | os.PathLike | None, host: str, insecure: bool):
 class RunSockets:
     """The publisher every rank has, and rank 0's control server and run.json."""
 
-    def __init__(self, run_id: str, server_keys, *, rank: int, host: str, heartbeat_interval: float) -> None:
+    def __init__(
+        self, run_id: str, server_keys, *, rank: int, host: str, heartbeat_interval: float
+    ) -> None:
         self.context = zmq.Context()
         self.keys = server_keys
         self.authenticator = server_keys.start_authenticator(self.context) if server_keys else None
-        self.publisher = Publisher(run_id, rank=rank, host=host, context=self.context,
-                                   heartbeat_interval=heartbeat_interval, curve=server_keys)
+        self.publisher = Publisher(
+            run_id,
+            rank=rank,
+            host=host,
+            context=self.context,
+            heartbeat_interval=heartbeat_interval,
+            curve=server_keys,
+        )
         self.control: ControlServer | None = None
         self.rank, self.host = rank, host
         self.run_dir: Path | None = None
 
-    def start(self, agreement: ControlAgreement, run_dir: Path, run_name: str, world_size: int,
-              config: dict[str, Any]) -> None:
+    def start(
+        self,
+        agreement: ControlAgreement,
+        run_dir: Path,
+        run_name: str,
+        world_size: int,
+        config: dict[str, Any],
+    ) -> None:
         """Bind every socket; rank 0 then writes run.json naming every rank's endpoints."""
         publisher, self.run_dir = self.publisher, run_dir
         # under torchrun, named as the other nodes reach them (a rank bound to 0.0.0.0 by its
@@ -106,10 +139,18 @@ class RunSockets:
             self.control = ControlServer(host=self.host, context=self.context, curve=self.keys)
             control = self.control.start()
             endpoints["control"] = reachable(control) if distributed else control
-            info = RunInfo(publisher.run_id, run_name, os.getpid(), time.time(), endpoints,
-                           host=socket.gethostname(), world_size=world_size,
-                           ranks=ranks_endpoints, extra={"config": config},
-                           curve_public=self.keys.public.decode() if self.keys else "")
+            info = RunInfo(
+                publisher.run_id,
+                run_name,
+                os.getpid(),
+                time.time(),
+                endpoints,
+                host=socket.gethostname(),
+                world_size=world_size,
+                ranks=ranks_endpoints,
+                extra={"config": config},
+                curve_public=self.keys.public.decode() if self.keys else "",
+            )
             write_run_info(run_dir, info)
             publisher.run_info = info.to_dict()
         publisher.set_config(config)

@@ -121,7 +121,8 @@ class _WorkerProcess:
     """The trainer's side of one worker process: its callbacks, its pipe, what it last
     reported. (The runtime inside that process is `offloop.workers.runtime.Worker`.)"""
 
-    def __init__(self, callbacks: list, payloads: list[bytes], process, conn, loggers: list[bytes]) -> None:
+    def __init__(self, callbacks: list, payloads: list[bytes], process, conn,
+                 loggers: list[bytes]) -> None:
         self.callbacks, self.payloads, self.process, self.conn = callbacks, payloads, process, conn
         self.loggers = loggers  # the run's loggers, serialized: the shared worker holds them
         self.names = [type(callback).__name__ for callback in callbacks]
@@ -150,8 +151,8 @@ class _WorkerProcess:
         """How far behind the trainer's `batch` (and `fits`-th fit_end) it is, and for how
         long at its pace; or, its callbacks done, that its loggers are still at work."""
         if self.fits_seen >= fits:
-            return (f"past fit_end, its loggers still making calls ({self.logs} queued at its last report: "
-                    "a destination slower than training)")
+            return (f"past fit_end, its loggers still making calls ({self.logs} queued at its "
+                    "last report: a destination slower than training)")
         late = max(0, batch - self.batch)
         if not self.pace:
             return f"at batch {self.batch} of {batch} ({late} behind; its pace is not known yet)"
@@ -171,14 +172,15 @@ class CallbackWorkers:
         # sockets exist, and a restarted worker gets the callbacks as they were sent first
         self._groups = [(group, [_serialized(callback) for callback in group])
                         for group in process_groups(self.callbacks)]
-        #: the run's loggers, for the shared worker (one is started for them if no callback shares it)
+        #: the run's loggers, for the shared worker (one is started for them if no callback
+        #: shares it)
         self._loggers = [_serialized(destination, "logger") for destination in loggers or []]
         #: {class name: arguments} the shared worker builds besides its callbacks (the
         #: Trainer's save_*, progress_bar and log_to_console, as Composer's): the trainer
         #: names them and imports no callback
         self._builtins = dict(builtins or {})
-        if (self._loggers or self._builtins) and (not self._groups
-                                                  or getattr(self._groups[0][0][0], "process_group", None)):
+        if (self._loggers or self._builtins) and (
+                not self._groups or getattr(self._groups[0][0][0], "process_group", None)):
             self._groups.insert(0, ([], []))
         #: where each worker's callbacks decide (Callback.decides_on), checked now
         self.decision_schedule = decision_schedule([group for group, _ in self._groups])
@@ -192,8 +194,10 @@ class CallbackWorkers:
         self.nice = nice
         #: a worker whose trainer sends no heartbeat for this long closes its callbacks and exits
         self.heartbeat_timeout = heartbeat_timeout
-        self.keys = keys  # when the run has keys: the workers' own pair, admitted in memory for the run
-        self.max_restarts = max_restarts  # per worker; a restarted worker joins from the late-join state
+        # when the run has keys: the workers' own pair, admitted in memory for the run
+        self.keys = keys
+        # per worker; a restarted worker joins from the late-join state
+        self.max_restarts = max_restarts
         self.restarts = 0
         self._stopping = False
         #: fit_end events the trainer has published; a worker's exit is its end (not a
@@ -217,7 +221,8 @@ class CallbackWorkers:
         if not self._groups:
             return
         for index, (group, payloads) in enumerate(self._groups):
-            self.workers.append(self._spawn(group, payloads, index, self._loggers if index == 0 else []))
+            loggers = self._loggers if index == 0 else []
+            self.workers.append(self._spawn(group, payloads, index, loggers))
         deadline = time.monotonic() + self.ready_timeout
         while not all(w.ready or w.gone for w in self.workers):
             left = deadline - time.monotonic()
@@ -226,14 +231,17 @@ class CallbackWorkers:
             self._receive(timeout=min(left, 0.5))
         for worker in self.workers:
             if not worker.ready:
-                cause = worker.error or (f"its process exited with code {worker.process.exitcode}"
-                                         if worker.gone else f"it did not listen within {self.ready_timeout:g}s")
-                raise ConfigError(f"callback {worker.error_of} could not be started in its worker process: {cause}")
+                cause = worker.error or (
+                    f"its process exited with code {worker.process.exitcode}" if worker.gone
+                    else f"it did not listen within {self.ready_timeout:g}s")
+                raise ConfigError(f"callback {worker.error_of} could not be started in its worker "
+                                  f"process: {cause}")
         self._thread = threading.Thread(target=self._supervise, daemon=True,
                                         name="offloop-supervisor")
         self._thread.start()
 
-    def _spawn(self, callbacks: list, payloads: list[bytes], index: int, loggers: list[bytes]) -> _WorkerProcess:
+    def _spawn(self, callbacks: list, payloads: list[bytes], index: int,
+               loggers: list[bytes]) -> _WorkerProcess:
         ours, theirs = socket.socketpair()
         try:
             popen = subprocess.Popen([sys.executable, "-c", WORKER_BOOTSTRAP, str(theirs.fileno())],
@@ -242,8 +250,9 @@ class CallbackWorkers:
             theirs.close()
         conn = Connection(ours.detach())
         settings = {"sys_path": import_path(), "run_dir": self.run_dir, "keys": self.keys,
-                    "heartbeat_timeout": self.heartbeat_timeout, "nice": self.nice, "count": len(payloads),
-                    "index": index, "loggers": len(loggers), "builtins": self._builtins if index == 0 else {}}
+                    "heartbeat_timeout": self.heartbeat_timeout, "nice": self.nice,
+                    "count": len(payloads), "index": index, "loggers": len(loggers),
+                    "builtins": self._builtins if index == 0 else {}}
         conn.send_bytes(pickle.dumps(settings))
         for payload in payloads + loggers:
             conn.send_bytes(payload)
@@ -253,7 +262,8 @@ class CallbackWorkers:
         """Start a fresh process for a worker that died; it carries on from the late-join state."""
         if self._stopping or worker.restarts >= self.max_restarts:
             return
-        fresh = self._spawn(worker.callbacks, worker.payloads, self.workers.index(worker), worker.loggers)
+        fresh = self._spawn(worker.callbacks, worker.payloads, self.workers.index(worker),
+                            worker.loggers)
         fresh.restarts = worker.restarts + 1
         with self._lock:
             self.workers[self.workers.index(worker)] = fresh
@@ -317,7 +327,8 @@ class CallbackWorkers:
             if worker.reported_dead:
                 return
             worker.reported_dead = True
-            message = f"callback worker {worker.name} (pid {worker.process.pid}) {why}; training goes on"
+            message = (f"callback worker {worker.name} (pid {worker.process.pid}) {why}; "
+                       "training goes on")
             self.crashes.append(message)
         log.warning("offloop: %s", message)
 
@@ -326,6 +337,16 @@ class CallbackWorkers:
             if all(w.gone for w in self.workers):
                 return
             self._receive(timeout=0.5)
+
+    def fit_ended(self) -> int:
+        """A fit_end is about to be published: its number (1 for the first fit)."""
+        self.fits += 1
+        return self.fits
+
+    def begin_closing(self) -> None:
+        """The run is closing: from here a worker that has handled every fit_end and exits
+        has ended, not crashed."""
+        self.closing = True
 
     def wait_answers(self, indexes: list[int], ident: int, timeout: float,
                      serve: Callable[[], None]) -> list[int]:
@@ -337,13 +358,15 @@ class CallbackWorkers:
         serve()
         with self._changed:
             while True:
-                waiting = [i for i in indexes if i < len(self.workers) and self.workers[i].answered < ident
+                waiting = [i for i in indexes
+                           if i < len(self.workers) and self.workers[i].answered < ident
                            and not self.workers[i].gone and self.workers[i].process.is_alive()]
                 left = deadline - time.monotonic()
                 if not waiting or left <= 0:
                     return waiting
                 self._changed.wait(min(left, _SERVE_EVERY))
-                self._lock.release()  # serving publishes and may write a checkpoint: not under the lock
+                # serving publishes and may write a checkpoint: not under the lock
+                self._lock.release()
                 try:
                     serve()
                 finally:
@@ -360,12 +383,13 @@ class CallbackWorkers:
         returns, as Composer's (drawn in the loop) are, and what the user prints next comes
         below them instead of under a late redraw."""
         if "ProgressBar" in self._builtins and self.workers:
-            self.wait_for_fit_end(min(timeout, PROGRESS_WAIT), while_waiting, batch, shared_only=True,
-                                  waiting="fit() waits up to {:g}s for it to draw its last progress bar")
+            self.wait_for_fit_end(
+                min(timeout, PROGRESS_WAIT), while_waiting, batch, shared_only=True,
+                waiting="fit() waits up to {:g}s for it to draw its last progress bar")
 
-    def wait_for_fit_end(self, timeout: float, while_waiting=None, batch: int = 0, *,
-                         shared_only: bool = False,
-                         waiting: str = "close() waits up to {:g}s for it (worker_shutdown_timeout)") -> None:
+    def wait_for_fit_end(
+            self, timeout: float, while_waiting=None, batch: int = 0, *, shared_only: bool = False,
+            waiting: str = "close() waits up to {:g}s for it (worker_shutdown_timeout)") -> None:
         """Give every live worker (the shared one alone, with `shared_only`) until `timeout`
         to report it has handled the last fit_end (of `self.fits`) and, but with
         `shared_only` (the progress bars' wait), that its loggers have made every call up to
@@ -377,28 +401,30 @@ class CallbackWorkers:
         workers = self.workers[:1] if shared_only else self.workers
         while time.monotonic() < deadline:
             with self._lock:
-                pending = [w for w in workers if w.process.is_alive() and self._behind(w, shared_only)]
+                pending = [w for w in workers
+                           if w.process.is_alive() and self._behind(w, shared_only)]
             if not pending:
                 return
             if time.monotonic() - started >= 1.0:
                 for worker in pending:
                     if id(worker) not in told:
                         told.add(id(worker))
-                        log.warning("offloop: callback worker %s is %s; %s", worker.name, worker.behind(batch, self.fits),
-                                    waiting.format(timeout))
+                        log.warning("offloop: callback worker %s is %s; %s", worker.name,
+                                    worker.behind(batch, self.fits), waiting.format(timeout))
             if while_waiting is not None:
                 while_waiting()
             time.sleep(0.02)
         for worker in workers:
             if worker.process.is_alive() and self._behind(worker, shared_only):
                 log.warning("offloop: callback worker %s had not %s after %.0fs", worker.name,
-                            "handled fit_end" if worker.fits_seen < self.fits else "logged everything up to fit_end",
-                            timeout)
+                            "handled fit_end" if worker.fits_seen < self.fits
+                            else "logged everything up to fit_end", timeout)
 
     def _behind(self, worker: _WorkerProcess, callbacks_only: bool = False) -> bool:
         """It has not handled the last fit_end or (but with `callbacks_only`) its loggers have
         calls before it still to make."""
-        return worker.fits_seen < self.fits or not callbacks_only and worker.fits_delivered < self.fits
+        return (worker.fits_seen < self.fits
+                or not callbacks_only and worker.fits_delivered < self.fits)
 
     def stop(self, timeout: float = 10.0) -> None:
         """After the stream has closed: let workers exit, then end the ones that do not. A
@@ -414,7 +440,8 @@ class CallbackWorkers:
                 lost = ""
                 if behind and worker.logs:  # queued, never made (not behind: all made): counted
                     self.logs_lost += worker.logs
-                    lost = f" ({worker.logs} logger calls queued at its last report are lost with it)"
+                    lost = (f" ({worker.logs} logger calls queued at its last report are lost "
+                            "with it)")
                 log.warning("offloop: callback worker %s %s; terminating it%s", worker.name,
                             "was still behind" if behind else "did not exit", lost)
                 worker.process.terminate()

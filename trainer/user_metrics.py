@@ -26,32 +26,44 @@ _latest: weakref.ref | None = None  # the UserMetrics of the Trainer built last
 
 
 class UserMetrics:
-    """One Trainer's metrics logged since its last snapshot took them."""
+    """One Trainer's metrics logged since its last snapshot took them; log_metrics() goes
+    to the one opened last."""
 
     def __init__(self, host: Callable[[torch.Tensor], Any]) -> None:
-        global _latest
         self._host = host
         self.values: dict[str, Any] = {}
         self.closed = False
+
+    def open(self) -> None:
+        """From now on log_metrics() goes here (until another is opened, or this one closed)."""
+        global _latest
         _latest = weakref.ref(self)
 
     def log(self, metrics: Mapping[str, Any]) -> None:
         if not isinstance(metrics, Mapping):
-            raise TrainerError(f"log_metrics() takes a dict of name -> number, got {type(metrics).__name__}")
+            raise TrainerError(
+                f"log_metrics() takes a dict of name -> number, got {type(metrics).__name__}"
+            )
         staged = {}
         for name, value in metrics.items():
             if not isinstance(name, str) or not name:
-                raise TrainerError(f"log_metrics(): metric names are non-empty strings, got {name!r}")
+                raise TrainerError(
+                    f"log_metrics(): metric names are non-empty strings, got {name!r}"
+                )
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
-                    raise TrainerError(f"log_metrics(): {name!r} is a tensor of shape {tuple(value.shape)}; "
-                                       "log a scalar (a 0-d or one-element tensor)")
+                    raise TrainerError(
+                        f"log_metrics(): {name!r} is a tensor of shape {tuple(value.shape)}; "
+                        "log a scalar (a 0-d or one-element tensor)"
+                    )
                 staged[name] = self._host(value.detach().reshape(()))
             elif isinstance(value, numbers.Real) and not isinstance(value, bool):
                 staged[name] = float(value)
             else:
-                raise TrainerError(f"log_metrics(): {name!r} is {type(value).__name__}; log a number or "
-                                   "a 0-d tensor")
+                raise TrainerError(
+                    f"log_metrics(): {name!r} is {type(value).__name__}; log a number or "
+                    "a 0-d tensor"
+                )
         self.values.update(staged)  # all or nothing: one bad value logs none of them
 
     def take(self) -> dict[str, Any]:
@@ -69,6 +81,8 @@ def log_metrics(metrics: Mapping[str, Any]) -> None:
     evaluation), so an EarlyStopper can monitor them, and the Prometheus exporter."""
     target = _latest() if _latest is not None else None
     if target is None or target.closed:
-        raise TrainerError("log_metrics() needs a Trainer: build one (and do not close it) before "
-                           "training code logs; it goes to the one built last")
+        raise TrainerError(
+            "log_metrics() needs a Trainer: build one (and do not close it) before "
+            "training code logs; it goes to the one built last"
+        )
     target.log(metrics)

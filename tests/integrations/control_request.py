@@ -28,9 +28,9 @@ class RequestFromHook:
         self.thread = threading.Thread(target=ask, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
-        while not run._sockets.control.inbox and time.monotonic() < deadline:
+        while not run.control.inbox and time.monotonic() < deadline:
             time.sleep(0.005)
-        assert run._sockets.control.inbox, "the request never reached the trainer's control server"
+        assert run.control.inbox, "the request never reached the trainer's control server"
 
     def ack(self):
         assert self.thread is not None, "the request was never sent: its step never came"

@@ -148,7 +148,7 @@ def test_an_algorithm_sees_every_event_in_composers_order_and_its_metrics_reach_
 def test_log_metrics_from_an_algorithm_is_the_training_codes_log_metrics(tmp_path):
     with _trainer(tmp_path, []) as trainer:
         log_metrics({"x": 1.0})  # the same path: both land with the step's snapshot
-        assert trainer._readings.user_metrics.values == {"x": 1.0}
+        assert trainer.readings.user_metrics.values == {"x": 1.0}
 
 
 def test_bad_algorithms_are_refused_when_the_trainer_is_built(tmp_path):

@@ -71,7 +71,7 @@ def test_a_batch_interval_saves_at_those_batches_and_waits_nowhere_else(tmp_path
     with _frozen_trainer(tmp_path, [saver], "10ba", "run") as trainer:
         trainer.fit()
         assert _names(trainer) == ["ep0-ba3.pt", "ep1-ba6.pt", "ep2-ba9.pt"]
-        assert len(trainer._decisions.waits) == 3  # one wait per save, none at the other batches
+        assert len(trainer.services.decisions.waits) == 3  # one wait per save, none at the other batches
 
 
 def test_stopper_and_saver_together_stop_and_save_where_composer_would(tmp_path):
@@ -113,7 +113,7 @@ def test_a_users_callback_that_declares_its_decisions_stops_exactly(tmp_path):
         trainer.fit()
         assert trainer.timestamp.batch == 8 and trainer.stopped_by["client"].startswith("DecidesAtEpochEnd")
         # epoch_end at epochs 1 and 2, and epoch_checkpoint at epoch 2
-        assert len(trainer._decisions.waits) == 3
+        assert len(trainer.services.decisions.waits) == 3
 
 
 class Hangs(Callback):
@@ -133,7 +133,7 @@ def test_a_worker_that_does_not_answer_costs_the_timeout_once_and_is_reported(tm
                  run_dir=tmp_path / "run", decision_timeout=0.5, worker_shutdown_timeout=1) as trainer:
         trainer.fit()
         assert trainer.timestamp.batch == 12
-        assert len(trainer._decisions.waits) == 1 and 0.5 <= trainer._decisions.waits[0] < 5
+        assert len(trainer.services.decisions.waits) == 1 and 0.5 <= trainer.services.decisions.waits[0] < 5
     assert sum("did not answer epoch_end within 0.5s" in r.getMessage() for r in caplog.records) == 1
 
 

@@ -84,7 +84,7 @@ def test_the_buffer_trains_bit_for_bit_as_set_to_none_and_unused_parameters_are_
     data = batches()
     reference, ref_norms = hand_written(data, make_opt)
     trainer, seen = train(tmp_path, data, make_opt)
-    assert trainer._grads is not None, "the buffer was not adopted"
+    assert trainer.grad_buffer is not None, "the buffer was not adopted"
     for ours, theirs in zip(trainer.model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(ours, theirs)
     # the extra layer (parameters 2 and 3) had no gradient on even steps, as set_to_none gives
@@ -104,7 +104,7 @@ def test_a_grad_replaced_during_a_step_gives_the_buffer_up_and_training_goes_on_
     reference, ref_norms = hand_written(data)
     model = Replacer()
     trainer, seen = train(tmp_path, data, model=model)
-    assert trainer._grads is None and not trainer._adopt_grads  # given up, not adopted again
+    assert trainer.grad_buffer is None and not trainer.grad_buffer_pending  # given up, not adopted again
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(ours, theirs)
     for (norm, _), expected in zip(seen, ref_norms, strict=True):
@@ -114,7 +114,7 @@ def test_a_grad_replaced_during_a_step_gives_the_buffer_up_and_training_goes_on_
 def test_contiguous_grads_false_keeps_set_to_none_and_a_bad_value_is_refused(tmp_path):
     data = batches(4)
     trainer, _ = train(tmp_path, data, contiguous_grads=False)
-    assert trainer._grads is None
+    assert trainer.grad_buffer is None
     with pytest.raises(ConfigError, match="contiguous_grads must be True, False or 'auto', got 'yes'"):
         Trainer(SometimesUnused(), data, "1ba", loss_fn=F.cross_entropy, publish=False,
                 run_dir=tmp_path / "bad", contiguous_grads="yes")
@@ -138,7 +138,7 @@ class Wide(nn.Module):
 def test_auto_adopts_the_buffer_only_for_small_tensors(tmp_path, model, setting, adopted):
     assert GradBuffer.pays_off(list(model().parameters())) is (model is SometimesUnused)
     trainer, seen = train(tmp_path, batches(4), model=model(), contiguous_grads=setting)
-    assert (trainer._grads is not None) is adopted
+    assert (trainer.grad_buffer is not None) is adopted
     assert len(seen) == 4 and all(norm > 0 for norm, _ in seen)  # norms either way
 
 
@@ -229,8 +229,8 @@ def test_norms_are_computed_only_for_a_subscriber_that_names_them(tmp_path, monk
                      topics=[*RUN_TOPICS, GRAD_NORMS] if named else None)
     sub.connect()
     computed = []  # every norm taken (the one place either path, buffer or per parameter, starts)
-    norms = trainer._readings.grad_norms
-    monkeypatch.setattr(trainer._readings, "grad_norms", lambda buffer: computed.append(1) or norms(buffer))
+    norms = trainer.readings.grad_norms
+    monkeypatch.setattr(trainer.readings, "grad_norms", lambda buffer: computed.append(1) or norms(buffer))
     trainer.fit()
     topics = []
     while (msg := sub.recv(timeout=2)) is not None and msg.topic != "fit_end":

@@ -78,7 +78,7 @@ def test_bad_values_are_one_clear_error_and_log_nothing(tmp_path):
                 log_metrics(bad)
         with pytest.raises(TrainerError, match="'y' is NoneType"):
             log_metrics({"ok": 1.0, "y": None})
-        assert trainer._readings.user_metrics.values == {}  # all or nothing
+        assert trainer.readings.user_metrics.values == {}  # all or nothing
 
 
 def test_without_an_open_trainer_it_says_what_is_missing(tmp_path):
@@ -95,6 +95,6 @@ def test_an_older_open_trainer_never_gets_what_the_closed_latest_would_have(tmp_
     try:
         with pytest.raises(TrainerError, match="goes to the one built last"):
             log_metrics({"x": 1.0})
-        assert older._readings.user_metrics.values == {}
+        assert older.readings.user_metrics.values == {}
     finally:
         older.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from offloop.bus import Publisher, Subscriber
-from offloop.trainer.snapshot import Emitter
+from offloop.trainer.snapshot import open_emitter
 
 
 def test_tensors_nested_in_lists_travel_and_unencodable_snapshots_are_counted():
@@ -16,7 +16,7 @@ def test_tensors_nested_in_lists_travel_and_unencodable_snapshots_are_counted():
         with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
                         topics=["eval_end"]) as sub:
             sub.connect()
-            emitter = Emitter(publisher, torch.device("cpu"), burst_interval=5.0)
+            emitter = open_emitter(publisher, torch.device("cpu"), burst_interval=5.0)
             # a curve metric (torchmetrics' ROC returns a tuple of tensors) and a 0-d tensor
             emitter.emit_tensors("eval_end", (1, 8, 0, 64, 0), {"metrics": {
                 "roc": (torch.tensor([0.0, 0.5, 1.0]), torch.tensor([0.0, 0.8, 1.0])),

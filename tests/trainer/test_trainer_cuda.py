@@ -95,7 +95,7 @@ def test_a_tensor_in_several_snapshots_is_staged_once_and_an_in_place_change_is_
     """The step's loss is one tensor in three snapshots: copied off the GPU once, each
     snapshot carrying its value; the same tensor changed in place is copied again."""
     from offloop.bus import Publisher
-    from offloop.trainer.snapshot import Emitter
+    from offloop.trainer.snapshot import open_emitter
 
     publisher = Publisher("staged-once", heartbeat_interval=0.1)
     publisher.start()
@@ -103,7 +103,7 @@ def test_a_tensor_in_several_snapshots_is_staged_once_and_an_in_place_change_is_
         with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
                         topics=["after_loss", "after_train_batch", "batch_end"]) as sub:
             sub.connect()
-            emitter = Emitter(publisher, torch.device("cuda"))
+            emitter = open_emitter(publisher, torch.device("cuda"))
             loss = torch.tensor(0.5, device="cuda")
             copies = []
             real_empty = torch.empty

@@ -18,7 +18,7 @@ def test_amp_fp16_scales_the_loss_unscales_before_the_norm_and_checkpoints_the_s
     before = [p.detach().clone() for p in model.parameters()]
     trainer = Trainer(model, loader(64, 8), "1ep", loss_fn=F.cross_entropy, precision="amp_fp16",
                       publish=False, run_dir=tmp_path / "run", seed=1)
-    assert trainer._scaler is not None and trainer._scaler.get_scale() == 2.0**16
+    assert trainer.scaler is not None and trainer.scaler.get_scale() == 2.0**16
     norms = []
     original = trainer.emitter.snapshot  # what grad_norms publishes
     trainer.emitter.snapshot = lambda topic, ts, data: (
@@ -30,11 +30,11 @@ def test_amp_fp16_scales_the_loss_unscales_before_the_norm_and_checkpoints_the_s
     assert len(norms) == 8 and all(math.isfinite(float(n)) and 0 < float(n) < 100 for n in norms)
     path = trainer.save_checkpoint(tag="amp")
     saved = torch.load(path, map_location="cpu", weights_only=True)["scaler"]
-    assert saved["scale"] == trainer._scaler.get_scale()
+    assert saved["scale"] == trainer.scaler.get_scale()
 
     resumed = Trainer(mlp(), loader(64, 8), "2ep", loss_fn=F.cross_entropy, precision="amp_fp16",
                       publish=False, run_dir=tmp_path / "resumed", load_path=path)
-    assert resumed._scaler.get_scale() == saved["scale"]
+    assert resumed.scaler.get_scale() == saved["scale"]
     trainer.close()
     resumed.close()
 
@@ -43,6 +43,6 @@ def test_fp32_and_bf16_use_no_scaler(tmp_path):
     for precision in ("fp32", "amp_bf16"):
         trainer = Trainer(mlp(), loader(16, 8), "1ba", loss_fn=F.cross_entropy, precision=precision,
                           publish=False, run_dir=tmp_path / precision)
-        assert trainer._scaler is None
+        assert trainer.scaler is None
         trainer.fit()
         trainer.close()

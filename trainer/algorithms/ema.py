@@ -34,9 +34,13 @@ class EMA(Algorithm):
         if half_life is not None and smoothing is not None:
             raise ValueError("EMA: give half_life or smoothing, not both")
         units = (TimeUnit.BATCH, TimeUnit.EPOCH)
-        self.half_life = time_of("EMA", "half_life", half_life, units) if half_life is not None else None
+        self.half_life = (
+            time_of("EMA", "half_life", half_life, units) if half_life is not None else None
+        )
         if update_interval is None:
-            self.update_interval = Time(1, self.half_life.unit if self.half_life else TimeUnit.BATCH)
+            self.update_interval = Time(
+                1, self.half_life.unit if self.half_life else TimeUnit.BATCH
+            )
         else:
             self.update_interval = time_of("EMA", "update_interval", update_interval, units)
         if self.update_interval.value < 1:
@@ -48,11 +52,17 @@ class EMA(Algorithm):
                 raise ValueError(f"EMA: half_life must be at least 1, got {half_life!r}")
             self.smoothing = 2 ** -(self.update_interval.value / self.half_life.value)
         else:
-            if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 < smoothing < 1:
+            if (
+                isinstance(smoothing, bool)
+                or not isinstance(smoothing, (int, float))
+                or not 0 < smoothing < 1
+            ):
                 raise ValueError(f"EMA: smoothing must be in (0, 1), got {smoothing!r}")
             self.smoothing = float(smoothing)
         self.ema_start = _start(ema_start)
-        self.update_event = Event.BATCH_END if self.update_interval.unit is TimeUnit.BATCH else Event.EPOCH_END
+        self.update_event = (
+            Event.BATCH_END if self.update_interval.unit is TimeUnit.BATCH else Event.EPOCH_END
+        )
         self.ema_model: EMAParameters | None = None
         self.ema_weights_active = False
         self.ema_started = False
@@ -113,9 +123,12 @@ class EMA(Algorithm):
 
     def state_dict(self) -> dict[str, Any]:
         ema = self.ema_model
-        return {"ema_started": self.ema_started, "ema_weights_active": self.ema_weights_active,
-                "parameters": dict(ema.parameters) if ema is not None else {},
-                "buffers": dict(ema.buffers) if ema is not None else {}}
+        return {
+            "ema_started": self.ema_started,
+            "ema_weights_active": self.ema_weights_active,
+            "parameters": dict(ema.parameters) if ema is not None else {},
+            "buffers": dict(ema.buffers) if ema is not None else {},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ema_started = bool(state.get("ema_started", False))
@@ -126,8 +139,10 @@ class EMA(Algorithm):
             self.ema_model.load(state.get("parameters", {}), state.get("buffers", {}))
 
     def __repr__(self) -> str:
-        return (f"EMA(smoothing={self.smoothing:.6g}, update_interval='{self.update_interval}', "
-                f"ema_start={self.ema_start!r})")
+        return (
+            f"EMA(smoothing={self.smoothing:.6g}, update_interval='{self.update_interval}', "
+            f"ema_start={self.ema_start!r})"
+        )
 
 
 def _start(value: Any) -> float | Time:
@@ -137,7 +152,9 @@ def _start(value: Any) -> float | Time:
         if match:
             fraction = float(match.group(1))
             if not 0 <= fraction <= 1:
-                raise ValueError(f"EMA: ema_start {value!r}: a fraction of the duration is in [0, 1]")
+                raise ValueError(
+                    f"EMA: ema_start {value!r}: a fraction of the duration is in [0, 1]"
+                )
             return fraction
     return time_of("EMA", "ema_start", value, (TimeUnit.BATCH, TimeUnit.EPOCH))
 
@@ -164,12 +181,21 @@ class EMAParameters:
         kept until the averages or the model's tensors change."""
         key = (id(model), tuple(id(t) for t in model.parameters()))
         if self._pairs is None or self._pairs[0] != key:
-            matched = [(tensor, self.parameters[name]) for name, tensor in model.named_parameters()
-                       if name in self.parameters]
-            matched += [(tensor, self.buffers[name]) for name, tensor in model.named_buffers() if name in self.buffers]
+            matched = [
+                (tensor, self.parameters[name])
+                for name, tensor in model.named_parameters()
+                if name in self.parameters
+            ]
+            matched += [
+                (tensor, self.buffers[name])
+                for name, tensor in model.named_buffers()
+                if name in self.buffers
+            ]
             floats, others = [], []
             for live, avg in matched:
-                (floats if avg.is_floating_point() and avg.device == live.device else others).append((live, avg))
+                (
+                    floats if avg.is_floating_point() and avg.device == live.device else others
+                ).append((live, avg))
             self._pairs = (key, floats, others)
         return self._pairs[1], self._pairs[2]
 
@@ -200,6 +226,8 @@ def compute_ema(model: torch.nn.Module, ema_model: EMAParameters, smoothing: flo
         floats, others = ema_model.pairs(model)
         if floats:
             # lerp: average + (1 - smoothing) * (weights - average), one pass over each tensor
-            torch._foreach_lerp_([average for _, average in floats], [live for live, _ in floats], 1 - smoothing)
+            torch._foreach_lerp_(
+                [average for _, average in floats], [live for live, _ in floats], 1 - smoothing
+            )
         for live, average in others:
             average.copy_(live)

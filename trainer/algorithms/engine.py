@@ -125,9 +125,12 @@ def check_algorithms(algorithms: Any) -> list:
     if not isinstance(algorithms, (list, tuple)):
         algorithms = [algorithms]
     for algorithm in algorithms:
-        if not (callable(getattr(algorithm, "match", None)) and callable(getattr(algorithm, "apply", None))):
-            raise ConfigError(f"algorithms: {type(algorithm).__name__} is not an algorithm: it needs "
-                              "match(event, state) and apply(event, state, logger)")
+        if not (callable(getattr(algorithm, "match", None))
+                and callable(getattr(algorithm, "apply", None))):
+            raise ConfigError(
+                f"algorithms: {type(algorithm).__name__} is not an algorithm: it needs "
+                "match(event, state) and apply(event, state, logger)"
+            )
     return list(algorithms)
 
 
@@ -138,5 +141,7 @@ def time_of(owner: str, name: str, value: Any, units: tuple[TimeUnit, ...]) -> T
     except ValueError as exc:
         raise ValueError(f"{owner}: {name}: {exc}") from None
     if parsed.unit not in units:
-        raise ValueError(f"{owner}: {name} must be in {' or '.join(u.value for u in units)}, got {value!r}")
+        raise ValueError(
+            f"{owner}: {name} must be in {' or '.join(u.value for u in units)}, got {value!r}"
+        )
     return parsed

@@ -22,11 +22,19 @@ class GradientClipping(Algorithm):
 
     def __init__(self, clipping_type: str, clipping_threshold: float) -> None:
         if clipping_type not in _TYPES:
-            raise ValueError(f"GradientClipping: clipping_type must be 'norm', 'value' or 'adaptive', "
-                             f"got {clipping_type!r}")
-        if isinstance(clipping_threshold, bool) or not isinstance(clipping_threshold, (int, float)) \
-                or not clipping_threshold > 0:
-            raise ValueError(f"GradientClipping: clipping_threshold must be a number > 0, got {clipping_threshold!r}")
+            raise ValueError(
+                f"GradientClipping: clipping_type must be 'norm', 'value' or 'adaptive', "
+                f"got {clipping_type!r}"
+            )
+        if (
+            isinstance(clipping_threshold, bool)
+            or not isinstance(clipping_threshold, (int, float))
+            or not clipping_threshold > 0
+        ):
+            raise ValueError(
+                "GradientClipping: clipping_threshold must be a number > 0, "
+                f"got {clipping_threshold!r}"
+            )
         self.clipping_type, self.clipping_threshold = clipping_type, float(clipping_threshold)
 
     def match(self, event: Event, state: Any) -> bool:
@@ -36,10 +44,13 @@ class GradientClipping(Algorithm):
         apply_gradient_clipping(state.model, self.clipping_type, self.clipping_threshold)
 
     def __repr__(self) -> str:
-        return f"GradientClipping(clipping_type={self.clipping_type!r}, clipping_threshold={self.clipping_threshold})"
+        return (f"GradientClipping(clipping_type={self.clipping_type!r}, "
+                f"clipping_threshold={self.clipping_threshold})")
 
 
-def apply_gradient_clipping(model: torch.nn.Module, clipping_type: str, clipping_threshold: float) -> None:
+def apply_gradient_clipping(
+    model: torch.nn.Module, clipping_type: str, clipping_threshold: float
+) -> None:
     """Clip `model`'s gradients in place (Composer's functional form)."""
     parameters = [p for p in model.parameters() if p.grad is not None]
     if clipping_type == "norm":
@@ -49,7 +60,9 @@ def apply_gradient_clipping(model: torch.nn.Module, clipping_type: str, clipping
     else:
         with torch.no_grad():
             for param in parameters:
-                param.grad.mul_(_agc_coefficient(param.detach(), param.grad.detach(), clipping_threshold))
+                param.grad.mul_(
+                    _agc_coefficient(param.detach(), param.grad.detach(), clipping_threshold)
+                )
 
 
 def _agc_coefficient(weights: torch.Tensor, grad: torch.Tensor, threshold: float) -> torch.Tensor:
