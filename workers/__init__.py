@@ -1,7 +1,7 @@
 """offloop's workers: Composer-style callbacks that run in their own processes."""
 
 from offloop.bus import Event
-from offloop.workers.callback import Callback, NotAttachedError
+from offloop.workers.callback import Callback, NotAttachedError, StopTrainingError
 from offloop.workers.logger import (
            ConsoleLogger,
            JSONLLogger,
@@ -9,9 +9,11 @@ from offloop.workers.logger import (
            LoggerDestination,
            TensorBoardLogger,
 )
-from offloop.workers.runtime import StopTrainingError, Worker
+from offloop.workers.runtime import CallbackRuntime, Worker
 from offloop.workers.state import ReadOnlyStateError, State, Timestamp
+from offloop.workers.state_writer import StateWriter
 
-__all__ = ["Callback", "Event", "Logger", "State", "Timestamp", "Worker", "StopTrainingError",
+__all__ = ["Callback", "Event", "Logger", "State", "StateWriter", "Timestamp", "CallbackRuntime",
+           "Worker", "StopTrainingError",
            "LoggerDestination", "ConsoleLogger", "JSONLLogger", "TensorBoardLogger",
            "ReadOnlyStateError", "NotAttachedError"]

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         os.nice(args.nice)
     from offloop.bus import BusError, find_run
     from offloop.bus.security import endpoint_keys
-    from offloop.workers import Worker
+    from offloop.workers import CallbackRuntime
     from offloop.workers.logger import ConsoleLogger, JSONLLogger, TensorBoardLogger
     from offloop.workers.spec import SpecError, callbacks_from
 
@@ -80,10 +80,12 @@ def run(args: argparse.Namespace) -> int:
     if args.tensorboard or config.get("tensorboard"):
         destinations.append(TensorBoardLogger(args.tensorboard or config["tensorboard"]))
     try:
-        worker = Worker(info, callbacks, destinations=destinations,
-                        disable_on_error=not args.keep_failing, exit_on_fit_end=not args.stay,
-                        heartbeat_timeout=args.heartbeat_timeout, give_up_after=args.give_up_after,
-                        keys=args.keys, key_name=args.key_name)
+        worker = CallbackRuntime(info, callbacks, destinations=destinations,
+                                 disable_on_error=not args.keep_failing,
+                                 exit_on_fit_end=not args.stay,
+                                 heartbeat_timeout=args.heartbeat_timeout,
+                                 give_up_after=args.give_up_after, keys=args.keys,
+                                 key_name=args.key_name)
         worker.connect()
     except BusError as exc:
         abort(f"cannot join run {info.run_name}: {exc}", 3)

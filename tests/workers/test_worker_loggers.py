@@ -18,7 +18,7 @@ from offloop.workers import (
     TensorBoardLogger,
 )
 from offloop.workers.callbacks import LRMonitor
-from offloop.workers.runtime import Worker
+from offloop.workers.runtime import CallbackRuntime
 
 BATCHES_PER_EPOCH = 8  # the harness trains on 64 samples in batches of 8
 
@@ -74,7 +74,7 @@ class Calls(LoggerDestination):
 
 def test_a_steps_metrics_reach_a_destination_in_one_call_and_none_is_lost():
     calls = Calls()
-    worker = Worker(RunInfo("r", "r", 0, 0.0, {"events": "tcp://127.0.0.1:1"}),
+    worker = CallbackRuntime(RunInfo("r", "r", 0, 0.0, {"events": "tcp://127.0.0.1:1"}),
                     [Logs({"a": 1}, {"b": 2}), Logs({"a": 3}, "note", {"c": 4})], destinations=[calls])
     for seq, batch in enumerate((1, 2)):
         worker.dispatch(Message("batch_end", "ev", "r", "p", 0, seq, seq, 1.0, (0, batch, batch, 8, 0), {}))
