@@ -37,7 +37,8 @@ from offloop.bus.security import ClientKeys, client_keys_for, endpoint_keys
 from offloop.bus.subscriber import SubscriberStats
 from offloop.workers import callback_state
 from offloop.workers.callback import Callback, StopTrainingError
-from offloop.workers.logger import ConsoleLogger, Logger, LoggerDestination
+from offloop.workers.destinations import ConsoleLogger, LoggerDestination
+from offloop.workers.logger import Logger
 from offloop.workers.state import State
 from offloop.workers.state_writer import StateWriter
 
@@ -354,7 +355,7 @@ class CallbackRuntime:
 
 
 #: the name this class had before the runtime and the supervisor's `_WorkerProcess` were told
-#: apart; `offloop.workers.Worker` is public (docs/callbacks), so it stays importable
+#: apart; it was public (`offloop.workers.Worker`, in older docs), so it stays importable
 Worker = CallbackRuntime
 
 

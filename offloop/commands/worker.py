@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from offloop.bus import BusError, find_run
     from offloop.bus.security import endpoint_keys
     from offloop.workers import CallbackRuntime
-    from offloop.workers.logger import ConsoleLogger, JSONLLogger, TensorBoardLogger
+    from offloop.workers.destinations import ConsoleLogger, JSONLLogger, TensorboardLogger
     from offloop.workers.spec import SpecError, callbacks_from
 
     if args.give_up_after < args.heartbeat_timeout:
@@ -78,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
     if args.jsonl or config.get("jsonl"):
         destinations.append(JSONLLogger(args.jsonl or config["jsonl"]))
     if args.tensorboard or config.get("tensorboard"):
-        destinations.append(TensorBoardLogger(args.tensorboard or config["tensorboard"]))
+        # event files straight in the folder named, flushed at every step
+        destinations.append(TensorboardLogger(args.tensorboard or config["tensorboard"],
+                                              flush_interval=1, run_folder=False))
     try:
         worker = CallbackRuntime(info, callbacks, destinations=destinations,
                                  disable_on_error=not args.keep_failing,

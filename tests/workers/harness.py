@@ -73,8 +73,8 @@ def run_with_worker(callbacks: list, tmp_path: Path, *, max_duration: str = "3ep
     train = kw.pop("train_dataloader", None) or DataLoader(dataset(), batch_size=8, shuffle=True)
     trainer = Trainer(kw.pop("model", None) or classifier(), train, max_duration, **kw)
     worker = CallbackRuntime(str(tmp_path / "run"), callbacks,
-                    destinations=destinations if destinations is not None else [MemoryLog()],
-                    **{"heartbeat_timeout": 30, **(worker_kw or {})})
+                             destinations=[MemoryLog()] if destinations is None else destinations,
+                             **{"heartbeat_timeout": 30, **(worker_kw or {})})
     worker.connect()
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(worker.run()), daemon=True)
