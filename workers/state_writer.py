@@ -34,14 +34,15 @@ class StateWriter:
     def apply_config(self, config: dict[str, Any]) -> None:
         """The run's published config: `state.config`, and what it names (run name, id,
         max_duration, dataloader length, world size)."""
-        state = self.state
+        state, duration = self.state, config.get("max_duration")
         try:
-            max_duration = Time.parse(config["max_duration"]) if config.get("max_duration") else None
+            max_duration = Time.parse(duration) if duration else None
         except DurationError:
             max_duration = None
         self.set(config=FrozenDict(dict(config)), run_name=config.get("run_name", state.run_name),
                  run_id=config.get("run_id", state.run_id), max_duration=max_duration,
-                 dataloader_len=config.get("dataloader_len"), world_size=config.get("world_size", 1))
+                 dataloader_len=config.get("dataloader_len"),
+                 world_size=config.get("world_size", 1))
 
     def fold(self, msg: Message) -> Event | None:
         """Fold one message into the State; returns its Event (None for other topics)."""
@@ -51,7 +52,8 @@ class StateWriter:
         if msg.ts != self._ts:  # a step's events share one timestamp: built once
             self._ts = msg.ts
             values["timestamp"] = Timestamp.counted(*msg.ts)
-        values["event"], values["rank"], values["wall_time"], values["data"] = event, msg.rank, msg.t, data
+        values["event"], values["rank"], values["wall_time"] = event, msg.rank, msg.t
+        values["data"] = data
         if "config" in data and isinstance(data["config"], dict):
             self.apply_config(data["config"])
         handler = _UPDATES.get(msg.topic)
