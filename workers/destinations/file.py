@@ -85,6 +85,6 @@ class FileLogger(LoggerDestination):
             self._file.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        file, self._file = self._file, None  # a call after close() opens the file again
+        if file is not None:
+            file.close()
