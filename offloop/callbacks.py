@@ -16,7 +16,7 @@ __all__ = sorted([*_builtins.__all__, "StopTrainingError"])
 
 def __getattr__(name: str) -> Any:
     if name == "StopTrainingError":
-        from offloop.workers.runtime import StopTrainingError
+        from offloop.workers.callback import StopTrainingError
 
         return StopTrainingError
     return getattr(_builtins, name)

@@ -3,7 +3,8 @@
 One method per event, named by the event's value, and `run_event()`, which
 dispatches to them; overriding `run_event` replaces that dispatch (as in Composer).
 A callback changes the run only by asking: `self.halt(reason)` and
-`self.request_checkpoint(tag)` go over the control channel and return the ack.
+`self.request_checkpoint(tag)` go over the control channel and return the ack; raising
+`StopTrainingError` from an event method asks for the halt too (`stop_training`).
 """
 
 from __future__ import annotations
@@ -17,17 +18,22 @@ if TYPE_CHECKING:
     from offloop.workers.logger import Logger
     from offloop.workers.state import State
 
-__all__ = ["Callback", "NotAttachedError"]
+__all__ = ["Callback", "NotAttachedError", "StopTrainingError"]
 
 
 class NotAttachedError(RuntimeError):
     """halt() or request_checkpoint() outside a worker connected to a run."""
 
 
+class StopTrainingError(Exception):
+    """Raised by a callback to stop training (pytorch-accelerated's semantics): the runtime
+    hands it to the callback's `stop_training()`, which asks for a halt."""
+
+
 class Callback:
     """Base class for offloop callbacks; see the module docstring."""
 
-    _control: Any = None  # set by the worker runtime (a ControlClient, or a replay recorder)
+    _control: Any = None  # see attach_control()
     control_timeout: float = 60.0
     #: The worker process a Trainer runs this callback in: None for the one all such
     #: callbacks share, in order (as Composer runs them in its loop); a name for a process
@@ -196,6 +202,23 @@ class Callback:
         """Called after close() has been invoked for every callback."""
 
     # ------------------------------------------------------------- asking
+
+    def attach_control(self, control: Any) -> None:
+        """Called by whatever runs this callback, before its first event: the handle that
+        halt() and request_checkpoint() ask through (a `ControlClient` named for this
+        callback, replay's `ReplayControl`), or None where the run takes no requests."""
+        self._control = control
+
+    @property
+    def control_handle(self) -> Any:
+        """The handle attach_control() gave, or None: not attached, or no control endpoint."""
+        return self._control
+
+    def stop_training(self, state: State, reason: str) -> None:
+        """What raising StopTrainingError(reason) from an event method does; the runtime
+        calls it with the State of that event. Asks for a halt; pytorch-accelerated's
+        `TrainerCallback` first calls its `on_stop_training_error` hook."""
+        self.halt(reason)
 
     def halt(self, reason: str = "") -> Ack:
         """Ask the trainer to stop after its current batch; returns the ack (with `step`)."""

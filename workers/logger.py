@@ -1,293 +1,33 @@
-"""`Logger`: where callbacks' metrics go — console, a JSONL file, TensorBoard.
+"""`Logger`: what callbacks call to log; it hands every call to the run's destinations.
 
-Composer's split: callbacks decide what to log, destinations decide where. Every
-destination gets every call, in the order given.
+Composer's split: callbacks decide what to log, destinations (workers/destinations/) decide
+where. Every destination gets every call, in the order given.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import math
 import sys
-import time
 import traceback
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 
 from offloop.workers.deliveries import Deliveries
 
-__all__ = ["MissingExtraError", "Logger", "LoggerDestination", "ConsoleLogger", "JSONLLogger", "TensorBoardLogger",
-           "TensorboardLogger", "FileLogger"]
-
-
-class LoggerDestination:
-    """One place logs go; override what you support."""
-
-    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
-        pass
-
-    def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
-        pass
-
-    def log_text(self, text: str) -> None:
-        pass
-
-    def log_images(self, images: list[np.ndarray], name: str, step: int) -> None:
-        """`images`: HWC arrays (uint8, or floats in [0, 1]), as `Logger.log_images` makes them."""
-
-    def log_table(self, columns: list[str], rows: list[list[Any]], name: str, step: int) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.flush()
-
-
-def _scalar(value: Any) -> Any:
-    """A 0-d tensor or numpy number as a Python number; anything else as it is."""
-    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
-        return value.item()
-    return value
-
-
-def _jsonable(value: Any) -> Any:
-    value = _scalar(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return str(value)
-
-
-class ConsoleLogger(LoggerDestination):
-    """Lines on the console: `stream` a file object, or 'stdout' / 'stderr' (Composer's
-    console_stream; a name travels to a worker, an open stream does not).
-
-    `metrics=False` prints the callbacks' text alone (progress lines, a stopper's reason, a
-    checkpoint's path), as they would print in process, and no metric line per step: what
-    a Trainer's worker prints when the run has no loggers and `log_to_console=False`."""
-
-    def __init__(self, stream: TextIO | str | None = None, prefix: str = "", metrics: bool = True) -> None:
-        if isinstance(stream, str) and stream not in ("stdout", "stderr"):
-            raise ValueError(f"ConsoleLogger: stream must be 'stdout', 'stderr' or a file object, got {stream!r}")
-        self.stream, self.prefix, self.metrics = stream, prefix, metrics
-
-    def _out(self) -> TextIO:
-        if isinstance(self.stream, str):
-            return sys.stderr if self.stream == "stderr" else sys.stdout
-        return self.stream or sys.stdout
-
-    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
-        if not self.metrics:
-            return
-        parts = ", ".join(f"{k}: {_fmt(v)}" for k, v in metrics.items())
-        print(f"{self.prefix}[step {step}] {parts}", file=self._out(), flush=True)
-
-    def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
-        if not self.metrics:
-            return
-        print(f"{self.prefix}hyperparameters: {json.dumps(_jsonable(hparams))}", file=self._out(), flush=True)
-
-    def log_text(self, text: str) -> None:
-        print(f"{self.prefix}{text}", file=self._out(), flush=True)
-
-
-def _fmt(value: Any) -> str:
-    value = _jsonable(value)
-    return f"{value:.6g}" if isinstance(value, float) else str(value)
-
-
-class JSONLLogger(LoggerDestination):
-    """One JSON object per line: {"step", "time", **metrics}; hyperparameters as {"hparams"}."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", buffering=1)
-
-    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
-        self._file.write(json.dumps({"step": step, "time": time.time(), **_jsonable(metrics)}) + "\n")
-
-    def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
-        self._file.write(json.dumps({"hparams": _jsonable(hparams), "time": time.time()}) + "\n")
-
-    def flush(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-
-    def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
-
-
-class TensorboardLogger(LoggerDestination):
-    """Composer's TensorboardLogger: event files in `{log_dir}/{run_name}`
-    (`./tensorboard_logs` by default); every number logged as a scalar at its step, the
-    hyperparameters with `add_hparams`. Needs the `tensorboard` extra. The writer opens in
-    the worker, when the run is known (`init`), so the logger travels to it unopened."""
-
-    def __init__(self, log_dir: str | Path | None = None, flush_interval: int = 100,
-                 rank_zero_only: bool = True) -> None:
-        _require("tensorboard", "TensorboardLogger", "tensorboard")  # fails when the Trainer is built
-        _check_flush_interval("TensorboardLogger", flush_interval)
-        self.log_dir = str(log_dir) if log_dir is not None else "tensorboard_logs"
-        self.flush_interval, self.rank_zero_only = flush_interval, rank_zero_only
-        self.run_name = ""
-        self._writer = None
-        self._calls = 0
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_writer": None}
-
-    def init(self, state, logger) -> None:
-        self.run_name = state.run_name or self.run_name
-
-    def _directory(self) -> str:
-        return str(Path(self.log_dir) / self.run_name) if self.run_name else self.log_dir
-
-    @property
-    def writer(self):
-        if self._writer is None:
-            self._writer = _summary_writer()(self._directory())
-        return self._writer
-
-    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
-        for key, value in metrics.items():
-            value = _jsonable(value)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(key, value, step)
-        self._calls += 1
-        if self._calls % self.flush_interval == 0:
-            self.writer.flush()
-
-    def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
-        flat = {key: value if isinstance(value, (int, float, str, bool)) else json.dumps(_jsonable(value))
-                for key, value in hparams.items()}
-        self.writer.add_hparams(flat, {}, run_name=".")  # beside the scalars, not a run of its own
-
-    def log_images(self, images: list[np.ndarray], name: str, step: int) -> None:
-        for index, image in enumerate(images):
-            tag = name if len(images) == 1 else f"{name}/{index}"
-            self.writer.add_image(tag, image, step, dataformats="HWC")
-
-    def flush(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-
-
-class TensorBoardLogger(TensorboardLogger):
-    """TensorBoard event files straight in `log_dir` (what `offloop worker --tensorboard`
-    writes); Composer's `TensorboardLogger` adds the run's name below its `log_dir`."""
-
-    def __init__(self, log_dir: str | Path) -> None:
-        super().__init__(log_dir, flush_interval=1)
-
-    def _directory(self) -> str:
-        return self.log_dir
-
-
-def _check_flush_interval(owner: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}: flush_interval must be an int >= 1, got {value!r}")
-
-
-def _summary_writer():
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter
-
-
-class MissingExtraError(ImportError):
-    """A logger's library is not installed: the message names the extra that installs it."""
-
-
-def _require(module: str, owner: str, extra: str) -> None:
-    """Looked up, not imported: the logger imports it in its worker, where the run opens."""
-    if importlib.util.find_spec(module) is None:
-        raise MissingExtraError(f"{owner} needs {module}, which is not installed: pip install 'offloop[{extra}]'")
-
-
-class FileLogger(LoggerDestination):
-    """Composer's FileLogger: every metric, hyperparameter and text line in a file, as text
-    (`[metric][batch=N]: name: value`) or, for a name ending in `.jsonl`, one JSON object a
-    line. `{run_name}` and `{rank}` in `filename` are filled in when the run is known."""
-
-    def __init__(self, filename: str | Path = "{run_name}/logs-rank{rank}.txt", flush_interval: int = 100,
-                 log_format: str | None = None) -> None:
-        self.filename = str(filename)
-        try:
-            self.filename.format(run_name="run", rank=0)
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"FileLogger: filename {self.filename!r} is not a valid format string ({exc!r}); "
-                             "its fields are {run_name} and {rank}") from None
-        self.log_format = log_format or ("jsonl" if self.filename.endswith(".jsonl") else "text")
-        if self.log_format not in ("text", "jsonl"):
-            raise ValueError(f"FileLogger: log_format must be 'text' or 'jsonl', got {log_format!r}")
-        _check_flush_interval("FileLogger", flush_interval)
-        self.flush_interval = flush_interval
-        self.run_name, self.rank = "run", 0
-        self._file = None
-        self._lines = 0
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_file": None}
-
-    def init(self, state, logger) -> None:
-        self.run_name, self.rank = state.run_name or self.run_name, state.rank
-
-    @property
-    def path(self) -> Path:
-        return Path(self.filename.format(run_name=self.run_name, rank=self.rank))
-
-    def _write(self, record: dict[str, Any], text: str) -> None:
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a")
-        self._file.write((json.dumps(record) if self.log_format == "jsonl" else text) + "\n")
-        self._lines += 1
-        if self._lines % self.flush_interval == 0:
-            self._file.flush()
-
-    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
-        values = _jsonable(metrics)
-        if self.log_format == "jsonl":
-            self._write({"step": step, "time": time.time(), **values}, "")
-        else:
-            for name, value in values.items():
-                self._write({}, f"[metric][batch={step}]: {name}: {_fmt(value)}")
-
-    def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
-        values = _jsonable(hparams)
-        if self.log_format == "jsonl":
-            self._write({"hparams": values, "time": time.time()}, "")
-        else:
-            for name, value in values.items():
-                self._write({}, f"[hyperparameter]: {name}: {value}")
-
-    def log_text(self, text: str) -> None:
-        self._write({"text": text, "time": time.time()}, f"[text]: {text}")
-
-    def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+# the destinations' names, importable from here as before they had modules of their own
+from offloop.workers.destinations import (
+    ConsoleLogger,
+    FileLogger,
+    JSONLLogger,
+    LoggerDestination,
+    MissingExtraError,
+    TensorBoardLogger,
+    TensorboardLogger,
+)
+from offloop.workers.scalars import as_scalar
+
+__all__ = ["Logger", "as_hwc_images", "ConsoleLogger", "FileLogger", "JSONLLogger",
+           "LoggerDestination", "MissingExtraError", "TensorBoardLogger", "TensorboardLogger"]
 
 
 class Logger:
@@ -429,7 +169,7 @@ class Logger:
 def _values_now(metrics: dict[str, Any]) -> dict[str, Any]:
     """The metrics as they are now, for a destination called later: 0-d tensors and numpy
     numbers read at once (a callback may update a running tensor in place)."""
-    return {key: _scalar(value) for key, value in metrics.items()}
+    return {key: as_scalar(value) for key, value in metrics.items()}
 
 
 def as_hwc_images(images: Any, channels_last: bool = False) -> list[np.ndarray]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from offloop.bus import RunInfo
 from offloop.bus.control import Ack
 from offloop.bus.recording import read_recording
-from offloop.workers.runtime import Worker
+from offloop.workers.runtime import CallbackRuntime
 
 __all__ = ["replay", "ReplayControl"]
 
@@ -38,15 +38,15 @@ class ReplayControl:
         pass
 
 
-def replay(path: str | Path, callbacks: list, destinations=None) -> Worker:
-    """Feed every recorded event to `callbacks`, in order; returns the worker (for stats)."""
+def replay(path: str | Path, callbacks: list, destinations=None) -> CallbackRuntime:
+    """Feed every recorded event to `callbacks`, in order; returns the runtime (for stats)."""
     header, records = read_recording(path)
     info = RunInfo(header.get("run", ""), header.get("run_name", ""), 0, header.get("started", 0.0), {})
-    worker = Worker(info, callbacks, destinations=destinations)
+    worker = CallbackRuntime(info, callbacks, destinations=destinations)
     control = ReplayControl(worker.state)
     for callback in callbacks:
-        callback._control = control
-    worker.state._apply_config(header.get("config") or {})
+        callback.attach_control(control)
+    worker.writer.apply_config(header.get("config") or {})
     malformed = truncated = 0
     try:
         for item in records:

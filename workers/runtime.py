@@ -1,4 +1,6 @@
-"""The worker runtime: subscribe to a run, feed each event to callbacks in order, close.
+"""`CallbackRuntime`: subscribe to a run, feed each event to callbacks in order, close.
+It runs on the main thread of a worker process (the trainer's side of that process is
+`trainer/supervisor.py`'s `_WorkerProcess`), or of `offloop worker`.
 
 Promise: callbacks run sequentially in the order given (as pytorch-accelerated's
 CallbackHandler does); one callback's exception is logged with the event and the
@@ -11,7 +13,6 @@ the state it missed into its State.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -35,19 +36,16 @@ from offloop.bus import (
 from offloop.bus.security import ClientKeys, client_keys_for, endpoint_keys
 from offloop.bus.subscriber import SubscriberStats
 from offloop.workers import callback_state
-from offloop.workers.callback import Callback
-from offloop.workers.logger import ConsoleLogger, Logger, LoggerDestination
+from offloop.workers.callback import Callback, StopTrainingError
+from offloop.workers.destinations import ConsoleLogger, LoggerDestination
+from offloop.workers.logger import Logger
 from offloop.workers.state import State
+from offloop.workers.state_writer import StateWriter
 
-__all__ = ["Worker", "WorkerStats", "serve_trainer_callbacks", "StopTrainingError"]
+__all__ = ["CallbackRuntime", "Worker", "WorkerStats", "serve_trainer_callbacks",
+           "StopTrainingError"]
 
-log = logging.getLogger("offloop.worker")
 PROGRESS_EVERY = 1.0  # seconds between a spawned worker's progress reports to its trainer
-
-
-class StopTrainingError(Exception):
-    """Raised by a callback to stop training (pytorch-accelerated's semantics): the worker
-    turns it into a halt request."""
 
 
 @dataclass
@@ -63,8 +61,9 @@ class WorkerStats:
                 "logger_drops": self.logger_drops, "seconds": {k: dict(v) for k, v in self.seconds.items()}}
 
 
-class Worker:
-    """Runs callbacks against one run; `run()` returns an exit code."""
+class CallbackRuntime:
+    """Runs callbacks against one run; `run()` returns an exit code. `state` is what the
+    callbacks read; `writer` (a StateWriter) is the one thing that writes it."""
 
     def __init__(
         self,
@@ -102,6 +101,7 @@ class Worker:
         self._gaps_at_silence = self._resyncs_at_silence = 0
         self.name = name or "+".join(type(c).__name__ for c in self.callbacks) or "worker"
         self.state = State()
+        self.writer = StateWriter(self.state)
         # destinations on a thread of their own: a slow one never holds up an event, nor so
         # the trainer where it awaits this worker's decision
         self.logger = Logger(self.state, destinations, coalesce=True, background=True)
@@ -152,20 +152,20 @@ class Worker:
                                           client_id=f"{self.name}-{os.getpid()}", curve=self.curve)
             for callback, key in zip(self.callbacks, _timing_keys(self.callbacks), strict=True):
                 # connected now: a decision's request is then one send on a live connection
-                callback._control = self._control.named(f"{key}-{os.getpid()}").connect()
+                callback.attach_control(self._control.named(f"{key}-{os.getpid()}").connect())
         else:
             for callback in self.callbacks:
-                callback._control = None
+                callback.attach_control(None)
         self._sub = Subscriber(endpoints["events"], endpoints.get("state"), topics=self.topics(),
                                heartbeat_timeout=self.heartbeat_timeout, give_up_after=self.give_up_after,
                                curve=self.curve)
         joined = self._sub.connect(join_timeout=self.join_timeout)
         if joined is not None:
-            self.state._apply_config(joined.config)
+            self.writer.apply_config(joined.config)
             for callback in self._recorders:
                 callback.start(self.info, joined.config)
             for entry in sorted(joined.entries, key=lambda m: m.seq):
-                self.state._update(entry)
+                self.writer.fold(entry)
 
     def run(self, on_fit_end: Callable[[dict], None] | None = None,
             on_progress: Callable[[dict], None] | None = None,
@@ -198,7 +198,7 @@ class Worker:
                         break
                     continue
                 if msg.from_state:  # folded in, not dispatched
-                    self.state._update(msg)
+                    self.writer.fold(msg)
                     # a fit_end here ended before this worker (re)joined: it never arrives live
                     ended = msg.topic == "fit_end"
                 else:
@@ -246,18 +246,18 @@ class Worker:
     def dispatch(self, msg) -> Event | str:
         """Fold one message into the State and run every enabled callback on it, in order;
         then answer it, if the trainer awaits this worker's decisions on it."""
-        state, topic = self.state, msg.topic
+        state, writer, topic = self.state, self.writer, msg.topic
         awaited = self._awaited(msg) if AWAITS in msg.data else None
-        event = state._update(msg) or topic
+        event = writer.fold(msg) or topic
         stats, sub = self.stats, self._sub
         stats.events += 1
         if sub is not None:
             if sub.stats.gaps != stats.gaps:
                 self._note_gaps()
-                state._set(gaps=stats.gaps)
+                writer.set(gaps=stats.gaps)
             if sub.publisher_drops != state.publisher_drops:  # from the latest heartbeat
-                state._set(publisher_drops=sub.publisher_drops)
-        state._set(events_received=stats.events)
+                writer.set(publisher_drops=sub.publisher_drops)
+        writer.set(events_received=stats.events)
         for callback in self._recorders:
             callback.record(msg)
         if self._stateful and topic == "after_load" and msg.data.get("path"):
@@ -270,7 +270,7 @@ class Worker:
             try:
                 callback.run_event(event, state, self.logger)
             except StopTrainingError as stop:
-                self._stop_training(callback, stop)
+                self._stop_training(callback, str(stop) or type(callback).__name__)
             except Exception:
                 self._failed(index, callback, topic)
             finally:
@@ -282,7 +282,7 @@ class Worker:
             callback_state.save_states(path, self.index, self.callbacks, self._state_warned)
         self.logger.commit()  # this event's metrics, one call per step to each destination
         if awaited is not None:
-            state._set(decision_awaited=False)
+            writer.set(decision_awaited=False)
             if self._on_answer is not None:
                 self._on_answer(awaited)
         return event
@@ -294,7 +294,7 @@ class Worker:
         if self.index is None or not isinstance(awaits, dict) or type(awaits.get("id")) is not int \
                 or not isinstance(awaits.get("workers"), list) or self.index not in awaits["workers"]:
             return None
-        self.state._set(decision_awaited=True)
+        self.writer.set(decision_awaited=True)
         return awaits["id"]
 
     def _note_gaps(self) -> None:
@@ -308,15 +308,10 @@ class Worker:
         self._gaps_by_topic = now
         self.stats.gaps = self._sub.stats.gaps
 
-    def _stop_training(self, callback, stop: StopTrainingError) -> None:
-        hook = getattr(callback, "on_stop_training_error", None)
-        if hook is not None:
-            try:
-                hook(callback._trainer_view(self.state) if hasattr(callback, "_trainer_view") else self.state)
-            except Exception:
-                log.exception("offloop: %s.on_stop_training_error failed", type(callback).__name__)
+    def _stop_training(self, callback, reason: str) -> None:
+        """A callback raised StopTrainingError: it asks for the halt (`stop_training`)."""
         try:
-            callback.halt(str(stop) or type(callback).__name__)
+            callback.stop_training(self.state, reason)
         except Exception as exc:
             print(f"offloop worker: {type(callback).__name__} could not halt the run: {exc}",
                   file=sys.stderr, flush=True)
@@ -357,6 +352,11 @@ class Worker:
             self._sub.close()
         if self._control is not None:
             self._control.close()
+
+
+#: the name this class had before the runtime and the supervisor's `_WorkerProcess` were told
+#: apart; it was public (`offloop.workers.Worker`, in older docs), so it stays importable
+Worker = CallbackRuntime
 
 
 def _timing_keys(callbacks: list) -> list[str]:
@@ -424,8 +424,9 @@ def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: ClientKey
     if not loggers:  # quiet as Composer's Trainer: the callbacks' text, no metric line per step
         loggers = [ConsoleLogger(metrics=False)]
     try:
-        worker = Worker(run_dir, callbacks, exit_on_fit_end=False, heartbeat_timeout=heartbeat_timeout,
-                        keys=keys, index=index, destinations=loggers)
+        worker = CallbackRuntime(run_dir, callbacks, exit_on_fit_end=False,
+                                 heartbeat_timeout=heartbeat_timeout, keys=keys, index=index,
+                                 destinations=loggers)
         worker.connect()
     except Exception as exc:
         conn.send(("error", (None, f"could not join the run: {exc}")))

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from offloop.bus import WireError
-    from offloop.workers.logger import ConsoleLogger, JSONLLogger
+    from offloop.workers.destinations import ConsoleLogger, JSONLLogger
     from offloop.workers.replay import replay
     from offloop.workers.spec import SpecError, callbacks_from
 

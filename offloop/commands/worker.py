@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
         os.nice(args.nice)
     from offloop.bus import BusError, find_run
     from offloop.bus.security import endpoint_keys
-    from offloop.workers import Worker
-    from offloop.workers.logger import ConsoleLogger, JSONLLogger, TensorBoardLogger
+    from offloop.workers import CallbackRuntime
+    from offloop.workers.destinations import ConsoleLogger, JSONLLogger, TensorboardLogger
     from offloop.workers.spec import SpecError, callbacks_from
 
     if args.give_up_after < args.heartbeat_timeout:
@@ -78,12 +78,16 @@ def run(args: argparse.Namespace) -> int:
     if args.jsonl or config.get("jsonl"):
         destinations.append(JSONLLogger(args.jsonl or config["jsonl"]))
     if args.tensorboard or config.get("tensorboard"):
-        destinations.append(TensorBoardLogger(args.tensorboard or config["tensorboard"]))
+        # event files straight in the folder named, flushed at every step
+        destinations.append(TensorboardLogger(args.tensorboard or config["tensorboard"],
+                                              flush_interval=1, run_folder=False))
     try:
-        worker = Worker(info, callbacks, destinations=destinations,
-                        disable_on_error=not args.keep_failing, exit_on_fit_end=not args.stay,
-                        heartbeat_timeout=args.heartbeat_timeout, give_up_after=args.give_up_after,
-                        keys=args.keys, key_name=args.key_name)
+        worker = CallbackRuntime(info, callbacks, destinations=destinations,
+                                 disable_on_error=not args.keep_failing,
+                                 exit_on_fit_end=not args.stay,
+                                 heartbeat_timeout=args.heartbeat_timeout,
+                                 give_up_after=args.give_up_after, keys=args.keys,
+                                 key_name=args.key_name)
         worker.connect()
     except BusError as exc:
         abort(f"cannot join run {info.run_name}: {exc}", 3)

@@ -35,7 +35,7 @@ from typing import Any
 
 from offloop.bus import Topic
 from offloop.trainer.hooked_run import HookedRun, check_callbacks
-from offloop.workers.logger import MissingExtraError
+from offloop.workers.destinations import MissingExtraError
 
 try:
     import transformers

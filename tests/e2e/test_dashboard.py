@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 from offloop.trainer import Trainer
-from offloop.workers import Callback, Worker
+from offloop.workers import Callback, CallbackRuntime
 from offloop.workers.callbacks import PrometheusExporter
 
 DASHBOARD = ROOT / "deploy/grafana/dashboards/offloop.json"
@@ -158,8 +158,8 @@ def test_every_dashboard_query_is_answered_from_a_real_run(tmp_path):
                           num_tokens_fn=lambda batch: batch[0].numel(), run_dir=tmp_path / "run",
                           run_name=run, seed=2)
         exporter = PrometheusExporter(port=port, linger=10, gpu_flops_available=1e9, window_size=5)
-        worker = Worker(str(tmp_path / "run"), [_CheckpointOnce(), exporter], destinations=[],
-                        heartbeat_timeout=30)
+        worker = CallbackRuntime(str(tmp_path / "run"), [_CheckpointOnce(), exporter],
+                                 destinations=[], heartbeat_timeout=30)
         worker.connect()
         thread = threading.Thread(target=worker.run, daemon=True)
         thread.start()

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 from offloop.trainer import Trainer
-from offloop.workers import Callback, Worker
+from offloop.workers import Callback, CallbackRuntime
 from offloop.workers.callbacks import PrometheusExporter
 from offloop.workers.callbacks.prometheus import METRICS
 
@@ -61,7 +61,7 @@ def test_metrics_follow_prometheus_conventions_and_render_the_latest_snapshot(fr
     feed.event("checkpoint_saved", t + 6, (0, 3, 3, 96, 12288), path="/x.pt", step=3, tag="",
                event="batch_checkpoint", requested_by="c")
     feed.event("control_request", t + 6, (0, 3, 3, 96, 12288), op="halt", client="c", args={})
-    feed.state._set(publisher_drops=4)  # as the worker runtime sets it from a heartbeat
+    feed.writer.set(publisher_drops=4)  # as the worker runtime sets it from a heartbeat
     feed.event("epoch_end", t + 7, (1, 3, 0, 96, 12288))
 
     families = _families(url)
@@ -204,7 +204,8 @@ def test_a_real_prometheus_scrapes_the_exporter_during_a_real_training_run(tmp_p
                           run_dir=tmp_path / "run", run_name=run_name, seed=5,
                           callbacks=[PrometheusExporter(port=port, linger=10)])
         published = _Published()
-        worker = Worker(str(tmp_path / "run"), [published], destinations=[], heartbeat_timeout=30)
+        worker = CallbackRuntime(str(tmp_path / "run"), [published], destinations=[],
+                                 heartbeat_timeout=30)
         worker.connect()
         codes: list[int] = []
         thread = threading.Thread(target=lambda: codes.append(worker.run()), daemon=True)

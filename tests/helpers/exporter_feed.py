@@ -7,6 +7,7 @@ from offloop.bus import Message
 from offloop.workers.callbacks import PrometheusExporter
 from offloop.workers.logger import Logger
 from offloop.workers.state import State
+from offloop.workers.state_writer import StateWriter
 
 
 class ExporterFeed:
@@ -15,11 +16,13 @@ class ExporterFeed:
     def __init__(self, exporter: PrometheusExporter, run: str) -> None:
         self.exporter, self.run = exporter, run
         self.state = State()
+        self.writer = StateWriter(self.state)
         self.logger = Logger(self.state, [])
         self.seq = 0
 
     def event(self, topic: str, t: float, ts: tuple, **data) -> None:
         self.seq += 1
-        self.state._update(Message(topic, "event", self.run, "pub", 0, self.seq, self.seq, t, ts, data))
+        self.writer.fold(Message(topic, "event", self.run, "pub", 0, self.seq, self.seq, t, ts,
+                                 data))
         if topic != "grad_norms":  # it only updates the state, as in a worker
             getattr(self.exporter, topic)(self.state, self.logger)

@@ -1,4 +1,4 @@
-"""Run callbacks on real events: a real Trainer publishes, a real Worker (in a thread of
+"""Run callbacks on real events: a real Trainer publishes, a real CallbackRuntime (in a thread of
 the test process, over real sockets) runs the callbacks, and the test reads the result."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from offloop.trainer import Trainer
-from offloop.workers import Worker
+from offloop.workers import CallbackRuntime
 from offloop.workers.logger import JSONLLogger, LoggerDestination
 
 
@@ -60,8 +60,8 @@ class MemoryLog(LoggerDestination):
 
 def run_with_worker(callbacks: list, tmp_path: Path, *, max_duration: str = "3ep",
                     destinations: list | None = None, worker_kw: dict | None = None,
-                    **trainer_kw) -> tuple[Trainer, Worker]:
-    """Train a small classifier while a Worker runs `callbacks`; returns both after the
+                    **trainer_kw) -> tuple[Trainer, CallbackRuntime]:
+    """Train a small classifier while a CallbackRuntime runs `callbacks`; returns both after the
     worker has handled fit_end and closed its callbacks."""
     kw: dict[str, Any] = {
         "loss_fn": torch.nn.functional.cross_entropy,
@@ -72,9 +72,9 @@ def run_with_worker(callbacks: list, tmp_path: Path, *, max_duration: str = "3ep
     kw.update(trainer_kw)
     train = kw.pop("train_dataloader", None) or DataLoader(dataset(), batch_size=8, shuffle=True)
     trainer = Trainer(kw.pop("model", None) or classifier(), train, max_duration, **kw)
-    worker = Worker(str(tmp_path / "run"), callbacks,
-                    destinations=destinations if destinations is not None else [MemoryLog()],
-                    **{"heartbeat_timeout": 30, **(worker_kw or {})})
+    worker = CallbackRuntime(str(tmp_path / "run"), callbacks,
+                             destinations=[MemoryLog()] if destinations is None else destinations,
+                             **{"heartbeat_timeout": 30, **(worker_kw or {})})
     worker.connect()
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(worker.run()), daemon=True)

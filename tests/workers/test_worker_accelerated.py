@@ -431,7 +431,7 @@ def test_reset_on_train_decides_whether_a_second_fit_remembers_the_best(
 
     from harness import Paced, dataset
 
-    from offloop.workers import Worker
+    from offloop.workers import CallbackRuntime
 
     callback = bounded(EarlyStoppingCallback(watch_metric="ScriptedScore", early_stopping_patience=1,
                                              reset_on_train=reset_on_train))
@@ -440,8 +440,8 @@ def test_reset_on_train_decides_whether_a_second_fit_remembers_the_best(
                       eval_dataloader=DataLoader(dataset(32, seed=2), batch_size=16),
                       eval_metrics=[ScriptedScore([1.0, 0.9, 0.95, 0.96])], run_dir=tmp_path / "run", seed=3)
     # one worker for both fits: it stays after the first fit_end, until the stream closes
-    worker = Worker(str(tmp_path / "run"), [callback], destinations=[MemoryLog()], heartbeat_timeout=30,
-                    exit_on_fit_end=False)
+    worker = CallbackRuntime(str(tmp_path / "run"), [callback], destinations=[MemoryLog()],
+                             heartbeat_timeout=30, exit_on_fit_end=False)
     worker.connect()
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()

@@ -15,10 +15,10 @@ from offloop.workers import (
     ConsoleLogger,
     JSONLLogger,
     LoggerDestination,
-    TensorBoardLogger,
+    TensorboardLogger,
 )
 from offloop.workers.callbacks import LRMonitor
-from offloop.workers.runtime import Worker
+from offloop.workers.runtime import CallbackRuntime
 
 BATCHES_PER_EPOCH = 8  # the harness trains on 64 samples in batches of 8
 
@@ -41,7 +41,9 @@ def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     log_dir = tmp_path / "tb"
-    run_with_worker([LRMonitor()], tmp_path, max_duration="1ep", destinations=[TensorBoardLogger(log_dir)])
+    # as `offloop worker --tensorboard` writes: straight into log_dir, flushed at every step
+    tensorboard = TensorboardLogger(log_dir, flush_interval=1, run_folder=False)
+    run_with_worker([LRMonitor()], tmp_path, max_duration="1ep", destinations=[tensorboard])
     events = EventAccumulator(str(log_dir))
     events.Reload()
     scalars = events.Scalars("lr-SGD/group0")
@@ -74,8 +76,9 @@ class Calls(LoggerDestination):
 
 def test_a_steps_metrics_reach_a_destination_in_one_call_and_none_is_lost():
     calls = Calls()
-    worker = Worker(RunInfo("r", "r", 0, 0.0, {"events": "tcp://127.0.0.1:1"}),
-                    [Logs({"a": 1}, {"b": 2}), Logs({"a": 3}, "note", {"c": 4})], destinations=[calls])
+    worker = CallbackRuntime(RunInfo("r", "r", 0, 0.0, {"events": "tcp://127.0.0.1:1"}),
+                             [Logs({"a": 1}, {"b": 2}), Logs({"a": 3}, "note", {"c": 4})],
+                             destinations=[calls])
     for seq, batch in enumerate((1, 2)):
         worker.dispatch(Message("batch_end", "ev", "r", "p", 0, seq, seq, 1.0, (0, batch, batch, 8, 0), {}))
     assert worker.logger.wait(timeout=10)  # the destinations are called on a thread of their own

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from offloop.bus import Message, RunInfo
-from offloop.workers import Callback, Worker
+from offloop.workers import Callback, CallbackRuntime
 from offloop.workers.callbacks import (
     GradMonitor,
     LRMonitor,
@@ -208,7 +208,7 @@ def test_runtime_estimator_counts_down_to_zero(run):
 def dispatch(callbacks, messages) -> MemoryLog:
     log = MemoryLog()
     info = RunInfo("r", "r", 0, 0.0, {"events": "tcp://127.0.0.1:1"})
-    worker = Worker(info, callbacks, destinations=[log])
+    worker = CallbackRuntime(info, callbacks, destinations=[log])
     for seq, (topic, t, ts, data) in enumerate(messages):
         worker.dispatch(Message(topic, "ev", "r", "p", 0, seq, seq, t, ts, data))
     assert worker.logger.wait(timeout=10)  # the destinations are called on a thread of their own

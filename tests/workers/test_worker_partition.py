@@ -11,7 +11,7 @@ from helpers.tcp_pause import publisher_behind_link
 from helpers.waiting import wait_until
 
 from offloop.bus import RunInfo
-from offloop.workers import Callback, Worker
+from offloop.workers import Callback, CallbackRuntime
 
 
 class Seen(Callback):
@@ -34,7 +34,7 @@ def test_a_worker_waits_out_a_partition_and_folds_what_it_lost_into_its_state(ca
         info = RunInfo("run", "partitioned", 0, time.time(),
                        {"events": link.endpoint, "state": pub.endpoints["state"]})
         seen = Seen()
-        worker = Worker(info, [seen], heartbeat_timeout=0.5, give_up_after=30)
+        worker = CallbackRuntime(info, [seen], heartbeat_timeout=0.5, give_up_after=30)
         pub.publish("fit_start", (0, 0, 0, 0, 0), {})
         worker.connect()
         result: list[int] = []

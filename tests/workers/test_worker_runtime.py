@@ -14,7 +14,7 @@ import pytest
 from harness import MemoryLog, run_with_worker
 
 from offloop.bus import ReadOnlyError
-from offloop.workers import Callback, ReadOnlyStateError, Worker
+from offloop.workers import Callback, CallbackRuntime, ReadOnlyStateError
 from offloop.workers.spec import SpecError, build_callback, parse_spec
 
 ROOT = Path(__file__).parent.parent.parent
@@ -113,15 +113,15 @@ def test_worker_subscribes_only_to_what_its_callbacks_implement(tmp_path):
     from offloop.bus import RunInfo
 
     info = RunInfo("x", "x", os.getpid(), 0.0, {"events": "tcp://127.0.0.1:1"})
-    assert "epoch_start" in Worker(info, [EpochOnly()]).topics()
-    assert Worker(info, [EpochOnly()]).topics() == {"epoch_start", "init", "fit_start", "eval_end",
-                                                    "fit_end"}  # no per-batch event
+    assert "epoch_start" in CallbackRuntime(info, [EpochOnly()]).topics()
+    assert CallbackRuntime(info, [EpochOnly()]).topics() == {
+        "epoch_start", "init", "fit_start", "eval_end", "fit_end"}  # no per-batch event
 
     class EpochReadsLoss(EpochOnly):
         state_topics = frozenset({"batch_end"})
 
-    assert "batch_end" in Worker(info, [EpochReadsLoss()]).topics()
-    assert Worker(info, [EpochOnly(), Everything()]).topics() is None
+    assert "batch_end" in CallbackRuntime(info, [EpochReadsLoss()]).topics()
+    assert CallbackRuntime(info, [EpochOnly(), Everything()]).topics() is None
 
 
 def test_composer_docs_example_runs_unchanged_but_for_the_import(tmp_path, capsys):
@@ -277,8 +277,8 @@ def test_state_carries_the_publishers_drops_and_the_events_received():
     pub = Publisher("drop-run", queue_size=1, heartbeat_interval=0.05)
     endpoints = pub.start()
     counts = _Counts()
-    worker = Worker(RunInfo("drop-run", "drop-run", os.getpid(), time.time(), endpoints), [counts],
-                    destinations=[MemoryLog()], heartbeat_timeout=30)
+    worker = CallbackRuntime(RunInfo("drop-run", "drop-run", os.getpid(), time.time(), endpoints),
+                             [counts], destinations=[MemoryLog()], heartbeat_timeout=30)
     worker.connect()
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(worker.run()), daemon=True)

@@ -2,7 +2,8 @@
 `from offloop.workers.callbacks import EarlyStopper` (or `from offloop.callbacks import ...`).
 
 Names resolve lazily (PEP 562), so `offloop worker` loads only the callbacks it runs
-and a read-only command never imports torch through this package.
+and a read-only command never imports torch through this package. Adding one: a module
+here and a line in `BUILTINS` (docs/adding-a-callback.md).
 """
 
 from __future__ import annotations

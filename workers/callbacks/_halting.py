@@ -51,7 +51,7 @@ class BackgroundHalt:
         if self.halt_error is not None:
             logger.log_text(f"{reason}; training ends here anyway")
             return
-        if self._control is None:
+        if self.control_handle is None:
             self.halt(reason)  # raises NotAttachedError, which says what is missing
         logger.log_text(f"{reason}; asking the trainer to stop")
         self._sender = threading.Thread(target=self._send_halt, args=(reason,),

@@ -217,7 +217,7 @@ class CheckpointSaver(Callback):
         args: dict[str, Any] = {"tag": self.tag}
         if self.filename is not None:
             args["filename"] = _format(self.filename, state, ts)
-        if self._control is None:
+        if self.control_handle is None:
             self._ask("checkpoint", args)  # raises NotAttachedError, which says what is missing
         save = Save(asked_at=ts)
         with self._lock:

@@ -7,7 +7,7 @@ stderr is a terminal; a finished bar stays as a line, the next one starts below 
 
 It writes whole updates straight to the terminal (file descriptor 2, one write each,
 at most every `refresh` seconds and at each bar's end), carriage return first, so a bar
-redraws in place.
+redraws in place; each line comes from `progress_line.render`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ import time
 from typing import Any
 
 from offloop.workers.callback import Callback
+from offloop.workers.callbacks.progress_line import render
 
-__all__ = ["ProgressBar"]
-
-_WIDTH = 25
-_BLOCKS = " ▏▎▍▌▋▊▉█"
+__all__ = ["ProgressBar", "render"]
 
 
 class ProgressBar(Callback):
@@ -103,24 +101,3 @@ class ProgressBar(Callback):
     def __getstate__(self) -> dict[str, Any]:
         return {"refresh": self.refresh, "fd": self.fd, "_bar": None, "_held": None, "_drawn": 0.0}
 
-
-def render(bar: dict[str, Any], now: float) -> str:
-    """One line of a bar, as tqdm draws it."""
-    n, total, elapsed = bar["n"], bar["total"], max(now - bar["started"], 1e-9)
-    rate = n / elapsed
-    extra = f", {bar['postfix']}" if bar["postfix"] else ""
-    if total is None:
-        return f"{bar['title']}: {n}ba [{_clock(elapsed)}, {rate:.2f}ba/s{extra}]"
-    done = min(n / total, 1.0)
-    eighths = int(done * _WIDTH * 8)
-    full, part = divmod(eighths, 8)
-    drawn = "█" * full + (_BLOCKS[part] if full < _WIDTH else "")
-    remaining = (total - n) / rate if rate > 0 else 0.0
-    return (f"{bar['title']}: {done * 100:3.0f}%|{drawn:<{_WIDTH}}| {n}/{total} "
-            f"[{_clock(elapsed)}<{_clock(remaining)}, {rate:.2f}ba/s{extra}]")
-
-
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"

@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from typing import Any
 
 from offloop.bus import GRAD_NORMS
 from offloop.workers.callback import Callback
 from offloop.workers.callbacks.prometheus_targets import TargetFile, default_targets_dir
 from offloop.workers.callbacks.speed_monitor import gpu_flops_available
+from offloop.workers.scalars import as_float
 
 __all__ = ["PrometheusExporter", "METRICS"]
 
@@ -82,13 +82,6 @@ _MEMORY = {
 HEALTH_PATH = "/-/healthy"
 
 
-def _number(value: Any) -> float | None:
-    """A plain number as a float; None for anything else (tensors, strings, bools)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
 class _View:
     """What the collector renders: the latest values, updated by the worker thread."""
 
@@ -147,10 +140,10 @@ class PrometheusExporter(Callback):
             raise ValueError(f"PrometheusExporter: addr must be a host address, got {addr!r}")
         if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 2:
             raise ValueError(f"PrometheusExporter: window_size must be an int >= 2, got {window_size!r}")
-        if gpu_flops_available is not None and not _number(gpu_flops_available):
+        if gpu_flops_available is not None and not as_float(gpu_flops_available):
             raise ValueError("PrometheusExporter: gpu_flops_available must be a number > 0, "
                              f"got {gpu_flops_available!r}")
-        if _number(linger) is None or linger < 0:
+        if as_float(linger) is None or linger < 0:
             raise ValueError(f"PrometheusExporter: linger must be seconds >= 0, got {linger!r}")
         if targets_dir is not None and not isinstance(targets_dir, (str, os.PathLike)):
             raise ValueError(f"PrometheusExporter: targets_dir must be a folder, 'auto' or None, got {targets_dir!r}")
@@ -264,7 +257,7 @@ class PrometheusExporter(Callback):
 
     def _clock_batch(self, state) -> None:
         """Throughput over the window, on the trainer's clock less time spent evaluating."""
-        flops = _number(state.flops)
+        flops = as_float(state.flops)
         if flops is None:
             self._flops_seen = None
         elif self._flops_seen is not None:
@@ -291,23 +284,25 @@ class PrometheusExporter(Callback):
         """Copy what the collector renders out of the State, under the lock."""
         self._start(state)
         ts = state.timestamp
-        memory = {key: v for key, v in ((k, _number(v)) for k, v in state.memory.items()) if v is not None}
-        lr = tuple(v for v in (_number(x) for x in state.lr) if v is not None)
+        memory = {key: v for key, v in ((k, as_float(v)) for k, v in state.memory.items())
+                  if v is not None}
+        lr = tuple(v for v in (as_float(x) for x in state.lr) if v is not None)
         with self._lock:
             view = self._view
             view.run, view.rank = state.run_name, str(state.rank)
             view.model, view.device = str(state.config.get("model", "")), str(state.config.get("device", ""))
             view.progress = _progress(state)
             view.epoch, view.step, view.samples, view.tokens = ts.epoch, ts.batch, ts.sample, ts.token
-            view.loss, view.grad_norm = _number(state.loss), _number(state.grad_norm)
+            view.loss, view.grad_norm = as_float(state.loss), as_float(state.grad_norm)
             view.lr, view.memory = lr, memory
             if state.train_metrics is not self._train_source:  # replaced when a batch_end brings some
                 self._train_source = state.train_metrics
-                view.train = {n: v for n, v in ((n, _number(x)) for n, x in state.train_metrics.items())
+                view.train = {n: v for n, v in
+                              ((n, as_float(x)) for n, x in state.train_metrics.items())
                               if v is not None}
             if state.eval_metrics is not self._eval_source:  # the State replaces it at eval_end
                 self._eval_source = state.eval_metrics
-                view.eval = {label: {n: v for n, v in ((n, _number(x)) for n, x in metrics.items())
+                view.eval = {label: {n: v for n, v in ((n, as_float(x)) for n, x in metrics.items())
                                      if v is not None}
                              for label, metrics in state.eval_metrics.items()}
             # the worker's counts cover every event it received, not only those handled here

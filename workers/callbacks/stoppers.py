@@ -15,6 +15,7 @@ from offloop.bus import Time, TimeUnit
 from offloop.bus.duration import DurationError
 from offloop.workers.callback import Callback
 from offloop.workers.callbacks._halting import BackgroundHalt
+from offloop.workers.scalars import as_float, as_scalar
 from offloop.workers.state import Timestamp
 
 __all__ = ["ThresholdStopper", "EarlyStopper"]
@@ -56,12 +57,12 @@ def _pick_comparison(owner: str, comp: Any, comparison: Any) -> Any:
 
 
 def _scalar(owner: str, monitor: str, label: str, value: Any) -> float:
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{owner}: metric {monitor!r} of {label!r} is a {type(value).__name__}, "
-                         "not a number; monitor a scalar metric")
-    return float(value)
+    number = as_float(value)
+    if number is None:
+        kind = type(as_scalar(value)).__name__
+        raise ValueError(f"{owner}: metric {monitor!r} of {label!r} is a {kind}, not a number; "
+                         "monitor a scalar metric")
+    return number
 
 
 class _Stopper(BackgroundHalt, Callback):

@@ -1,6 +1,7 @@
 """pytorch-accelerated's callbacks in an offloop worker: the adapter (`TrainerCallback`, its
 `trainer` view and run history), then one module per built-in, keeping its names and options."""
 
+from offloop.workers.callback import StopTrainingError
 from offloop.workers.callbacks.accelerated.adapter import HOOKS, OutOfProcessError, TrainerCallback
 from offloop.workers.callbacks.accelerated.early_stopping import EarlyStoppingCallback
 from offloop.workers.callbacks.accelerated.log_metrics import LogMetricsCallback
@@ -11,7 +12,6 @@ from offloop.workers.callbacks.accelerated.run_history import RUN_HISTORY_TOPICS
 from offloop.workers.callbacks.accelerated.save_best_model import SaveBestModelCallback
 from offloop.workers.callbacks.accelerated.terminate_on_nan import TerminateOnNaNCallback
 from offloop.workers.callbacks.accelerated.trainer_view import RunConfig, TrainerView
-from offloop.workers.runtime import StopTrainingError
 
 __all__ = [
     "TrainerCallback",

@@ -1,11 +1,13 @@
 """`TrainerCallback`: how a pytorch-accelerated callback runs in an offloop worker.
 
 Promise: hooks fire in pytorch-accelerated's order with a read-only `trainer`, and a hook that
-raises `StopTrainingError` halts the run through the built-ins' one halt (`_halting`).
+raises `StopTrainingError` gets `on_stop_training_error`, then halts the run through the
+built-ins' one halt (`_halting`), as pytorch-accelerated's loop would stop.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -17,6 +19,8 @@ from offloop.workers.callbacks.accelerated.run_history import RUN_HISTORY_TOPICS
 from offloop.workers.callbacks.accelerated.trainer_view import TrainerView
 
 __all__ = ["TrainerCallback", "OutOfProcessError", "HOOKS"]
+
+log = logging.getLogger("offloop.worker")
 
 #: offloop topic -> pytorch-accelerated hook, in pytorch-accelerated's order.
 HOOKS: Mapping[str, str] = MappingProxyType({
@@ -47,8 +51,9 @@ class TrainerCallback(BackgroundHalt, Callback):
     `run_event` folds each event into this callback's `RunHistory`, then calls the hook `HOOKS`
     names with a read-only `TrainerView` as `trainer`; `wanted_topics()` is the topics of the
     hooks a subclass overrides, plus those the run history is built from. Raise
-    `StopTrainingError` from any hook to stop the run: the worker calls `on_stop_training_error`
-    and `halt()`, which the trainer applies at its next batch boundary (`halt_ack` says where).
+    `StopTrainingError` from any hook to stop the run: `stop_training()` calls
+    `on_stop_training_error` and `halt()`, which the trainer applies at its next batch boundary
+    (`halt_ack` says where).
     From then on this callback gets no hook of the training run but `on_training_run_end`, as
     in pytorch-accelerated.
     """
@@ -76,8 +81,8 @@ class TrainerCallback(BackgroundHalt, Callback):
         getattr(self, hook)(view, **_hook_kwargs(topic, state))
 
     def _trainer_view(self, state, logger=None) -> TrainerView:
-        """This callback's `trainer`, which the worker runtime passes to on_stop_training_error
-        too; a new one only when the worker hands over another State or Logger."""
+        """This callback's `trainer`, which on_stop_training_error gets too; a new one only
+        when the worker hands over another State or Logger."""
         view = self._view
         if view is not None and view.state is state and (logger is None or logger is view.logger):
             return view
@@ -109,6 +114,16 @@ class TrainerCallback(BackgroundHalt, Callback):
         return cls.hook_topics() | RUN_HISTORY_TOPICS
 
     # ------------------------------------------------------------------- asking
+
+    def stop_training(self, state, reason: str) -> None:
+        """A hook raised StopTrainingError: `on_stop_training_error(trainer)` (a failure there
+        is logged and the halt still goes), then `halt(reason)`, as pytorch-accelerated stops
+        its loop."""
+        try:
+            self.on_stop_training_error(self._trainer_view(state))
+        except Exception:
+            log.exception("offloop: %s.on_stop_training_error failed", type(self).__name__)
+        super().stop_training(state, reason)
 
     def halt(self, reason: str = "") -> Ack:
         """Ask the trainer to stop and wait for its answer (see `BackgroundHalt._halt_now`):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from offloop.workers.callback import StopTrainingError
 from offloop.workers.callbacks.accelerated._watch import NewValues, better, check_watch
 from offloop.workers.callbacks.accelerated.adapter import TrainerCallback
-from offloop.workers.runtime import StopTrainingError
 
 __all__ = ["EarlyStoppingCallback"]
 

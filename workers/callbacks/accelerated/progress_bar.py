@@ -1,15 +1,15 @@
 """`ProgressBarCallback`: a progress bar per training and evaluation epoch, tqdm's or a plain one.
 
-Promise: offloop does not need tqdm; without it the bar is text, redrawn in place on a terminal.
+Promise: offloop does not need tqdm; without it the bar is Composer's ProgressBar's line
+(`progress_line`), redrawn in place on a terminal.
 """
 
 from __future__ import annotations
 
-import sys
-import time
 from typing import Any, TextIO
 
 from offloop.workers.callbacks.accelerated.adapter import TrainerCallback
+from offloop.workers.callbacks.progress_line import TextBar
 
 __all__ = ["ProgressBarCallback"]
 
@@ -74,40 +74,6 @@ def _progress_bar(total: int | None, desc: str, file: TextIO | None):
     try:
         from tqdm import tqdm
     except ImportError:
-        return _TextBar(total, desc, file)
+        return TextBar(total, desc, file)
     return tqdm(total=total, desc=desc, file=file)
 
-
-class _TextBar:
-    """The part of tqdm's interface ProgressBarCallback uses, for when tqdm is absent."""
-
-    width = 30
-
-    def __init__(self, total: int | None, desc: str, file: TextIO | None) -> None:
-        self.total, self.desc, self.n = total, desc, 0
-        self.file = file if file is not None else sys.stderr
-        isatty = getattr(self.file, "isatty", None)
-        self._live = bool(isatty and isatty())
-        self._start = time.monotonic()
-        self._closed = False
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        if self._live:
-            self.file.write("\r" + self._line())
-            self.file.flush()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.file.write(("\r" if self._live else "") + self._line() + "\n")
-        self.file.flush()
-
-    def _line(self) -> str:
-        elapsed = time.monotonic() - self._start
-        if not self.total:
-            return f"{self.desc}: {self.n} [{elapsed:.1f}s]"
-        done = min(self.n / self.total, 1.0)
-        bar = "#" * int(done * self.width)
-        return f"{self.desc}: {done:4.0%}|{bar:<{self.width}}| {self.n}/{self.total} [{elapsed:.1f}s]"

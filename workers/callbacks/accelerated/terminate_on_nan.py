@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from offloop.workers.callback import StopTrainingError
 from offloop.workers.callbacks.accelerated.adapter import TrainerCallback
-from offloop.workers.runtime import StopTrainingError
 
 __all__ = ["TerminateOnNaNCallback"]
 

@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from offloop.workers.logger import (
+from offloop.workers.destinations.base import (
     LoggerDestination,
     MissingExtraError,
-    _jsonable,
-    _require,
-    _scalar,
+    jsonable,
+    require_extra,
 )
+from offloop.workers.scalars import as_float, as_scalar
 
 __all__ = ["MLFlowLogger", "WandBLogger", "MissingExtraError"]
 
@@ -34,13 +34,6 @@ _CLEAN_ENDS = frozenset({"fit_end", "eval_standalone_end", "predict_end"})
 def _ended_cleanly(state) -> bool:
     event = getattr(state, "event", None)
     return getattr(event, "value", event) in _CLEAN_ENDS
-
-
-def _number(value: Any) -> float | None:
-    value = _scalar(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
 
 
 def _patterns(owner: str, name: str, value: Any) -> list[str]:
@@ -81,7 +74,7 @@ class MLFlowLogger(_TrackerLogger):
                  ignore_metrics: list[str] | None = None, ignore_hyperparameters: list[str] | None = None,
                  run_group: str | None = None, resume: bool = False,
                  logging_buffer_seconds: int | None = 10, log_duplicated_metric_every_n_steps: int = 100) -> None:
-        _require("mlflow", "MLFlowLogger", "mlflow")
+        require_extra("mlflow", "MLFlowLogger", "mlflow")
         for name, value in (("experiment_name", experiment_name), ("run_name", run_name), ("run_group", run_group)):
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"MLFlowLogger: {name} must be a str, got {value!r}")
@@ -148,7 +141,7 @@ class MLFlowLogger(_TrackerLogger):
 
         due: dict[str, float] = {}
         for key, value in metrics.items():
-            number = _number(value)
+            number = as_float(value)
             if number is None or any(fnmatch.fnmatch(key, pattern) for pattern in self.ignore_metrics):
                 continue
             last = self._cache.get(key)
@@ -166,7 +159,7 @@ class MLFlowLogger(_TrackerLogger):
             return
         import mlflow
 
-        params = {key: value for key, value in _jsonable(hparams).items()
+        params = {key: value for key, value in jsonable(hparams).items()
                   if not any(fnmatch.fnmatch(key, pattern) for pattern in self.ignore_hyperparameters)}
         if params:
             mlflow.log_params(params, synchronous=self.synchronous)
@@ -180,7 +173,7 @@ class MLFlowLogger(_TrackerLogger):
     def log_table(self, columns: list[str], rows: list[list[Any]], name: str, step: int) -> None:
         if not self._enabled or self.run_id is None:
             return
-        data = {column: [_jsonable(row[index]) for row in rows] for index, column in enumerate(columns)}
+        data = {column: [jsonable(row[index]) for row in rows] for index, column in enumerate(columns)}
         self._client.log_table(self.run_id, data=data, artifact_file=f"{name}.json")
 
     def flush(self) -> None:
@@ -222,7 +215,7 @@ class WandBLogger(_TrackerLogger):
     def __init__(self, project: str | None = None, group: str | None = None, name: str | None = None,
                  entity: str | None = None, tags: list[str] | None = None, log_artifacts: bool = False,
                  rank_zero_only: bool = True, init_kwargs: dict[str, Any] | None = None) -> None:
-        _require("wandb", "WandBLogger", "wandb")
+        require_extra("wandb", "WandBLogger", "wandb")
         if init_kwargs is not None and not isinstance(init_kwargs, dict):
             raise ValueError(f"WandBLogger: init_kwargs must be a dict of wandb.init arguments, got {init_kwargs!r}")
         if log_artifacts:
@@ -259,11 +252,11 @@ class WandBLogger(_TrackerLogger):
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
         if self._run is None:
             return
-        self._run.log({key: _scalar(value) for key, value in metrics.items()}, step=step)
+        self._run.log({key: as_scalar(value) for key, value in metrics.items()}, step=step)
 
     def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
         if self._run is not None:
-            self._run.config.update(_jsonable(hparams), allow_val_change=True)
+            self._run.config.update(jsonable(hparams), allow_val_change=True)
 
     def log_images(self, images: list[np.ndarray], name: str, step: int) -> None:
         if self._run is None:
@@ -277,7 +270,7 @@ class WandBLogger(_TrackerLogger):
             return
         import wandb
 
-        self._run.log({name: wandb.Table(columns=columns, rows=[_jsonable(row) for row in rows])}, step=step)
+        self._run.log({name: wandb.Table(columns=columns, rows=[jsonable(row) for row in rows])}, step=step)
 
     def close(self) -> None:
         if self._run is not None:
