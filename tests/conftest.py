@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-HELPERS = Path(__file__).parent / "helpers"
+PROGRAMS = Path(__file__).parent / "programs"
 ROOT = Path(__file__).parent.parent
 
 
@@ -54,11 +54,11 @@ class Proc:
 
 @pytest.fixture
 def spawn():
-    """Start `tests/helpers/<name>.py` (or a module with -m) as a child; killed at teardown."""
+    """Start the program `tests/programs/<name>.py` as a child; killed at teardown."""
     children: list[Proc] = []
 
     def start(name: str, *args: str, env: dict | None = None) -> Proc:
-        cmd = [sys.executable, str(HELPERS / f"{name}.py"), *map(str, args)]
+        cmd = [sys.executable, str(PROGRAMS / f"{name}.py"), *map(str, args)]
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         proc = Proc(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      stdin=subprocess.DEVNULL, env=full_env))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.fault_callbacks import PidStepLog, StepList
-from helpers.sigterm_trainer import make as make_sigterm_trainer
+from programs.sigterm_trainer import make as make_sigterm_trainer
 from torch.utils.data import DataLoader, Dataset
 
 from offloop.bus import ControlClient, Subscriber, find_run

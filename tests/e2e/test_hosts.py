@@ -66,7 +66,7 @@ def notes(path: Path) -> list[dict]:
 def start_trainer(net: Network, tmp: Path, keys: Path, batches: int, pace: float = BATCH_SECONDS,
                   **extra) -> tuple[Proc, dict, Path]:
     run_dir, go = tmp / "run", tmp / "go"
-    cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "host_trainer.py"), "--run-dir", run_dir,
+    cmd = [sys.executable, str(ROOT / "tests" / "programs" / "host_trainer.py"), "--run-dir", run_dir,
            "--keys", keys, "--host", net.addr["trainer"], "--go", go, "--batches", batches,
            "--batch-seconds", pace, *[str(a) for kv in extra.items() for a in kv]]
     trainer = Proc(net.popen("trainer", cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -20,15 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.ddp_train import weights_digest
 from helpers.netns import Network
 from helpers.ranks import drain, torchrun_command, wait_for_run
+from programs.ddp_train import weights_digest
 
 from offloop.bus import ControlClient, Subscriber
 from offloop.bus.security import load_client_keys
 
 ROOT = Path(__file__).resolve().parents[2]
-HELPER = ROOT / "tests" / "helpers" / "ddp_train.py"
+HELPER = ROOT / "tests" / "programs" / "ddp_train.py"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 BLOCK_AT = 10  # rank 0 is held before loading batch 10 until both requests are queued
 STEP = BLOCK_AT + 1

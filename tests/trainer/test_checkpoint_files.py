@@ -173,7 +173,7 @@ def test_a_killed_writers_temporary_file_is_removed_and_a_live_ones_kept(tmp_pat
 def test_a_sigterm_while_the_publisher_sends_outside_fit_closes_the_run_instead_of_deadlocking(tmp_path):
     import json
 
-    helper = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "sigterm_idle.py")
+    helper = os.path.join(os.path.dirname(os.path.dirname(__file__)), "programs", "sigterm_idle.py")
     done = subprocess.run([sys.executable, helper, str(tmp_path / "run")], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 143, done.stderr[-2000:]

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 from common import ask
-from helpers.ddp_train import weights_digest  # the digest the ranks print
 from helpers.ranks import drain, torchrun_command, wait_for_run
+from programs.ddp_train import weights_digest  # the digest the ranks print
 
 from offloop.bus import Subscriber, find_run
 
 ROOT = Path(__file__).resolve().parents[2]
-HELPER = ROOT / "tests" / "helpers" / "ddp_train.py"
+HELPER = ROOT / "tests" / "programs" / "ddp_train.py"
 BLOCK_AT = 10  # rank 0 is held before loading batch 10: epoch 1, 2 batches in (8 per epoch)
 STEP = BLOCK_AT + 1  # requests queued while batch 10 loads are applied after it
 DURATION = "3ep"  # 24 batches

@@ -133,7 +133,7 @@ def test_two_ranks_on_a_one_gpu_node_are_told_what_to_change(tmp_path):
     """Each rank trains on its own GPU (cuda:LOCAL_RANK); the rank without one gets one clear
     error, not NCCL's "invalid usage" from two ranks sharing GPU 0."""
     root = Path(__file__).resolve().parents[2]
-    cmd = [*torchrun_command(), "--standalone", "--nproc_per_node=2", str(root / "tests" / "helpers" / "ddp_train.py"),
+    cmd = [*torchrun_command(), "--standalone", "--nproc_per_node=2", str(root / "tests" / "programs" / "ddp_train.py"),
            "--run-dir", str(tmp_path / "run"), "--max-duration", "2ba", "--device", "auto"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
                           env={**os.environ, "OFFLOOP_RUNS": str(tmp_path),

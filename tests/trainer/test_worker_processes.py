@@ -91,7 +91,7 @@ def test_lines_printed_by_several_workers_into_one_pipe_arrive_whole_and_in_orde
     import sys
 
     workers, batches, lines = 4, 40, 20  # 4 x 800 lines of 300 bytes: many pipe buffers' worth
-    done = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "helpers" / "chatty_trainer.py"),
+    done = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "programs" / "chatty_trainer.py"),
                            str(workers), str(batches), str(lines), str(tmp_path / "run")],
                           capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
