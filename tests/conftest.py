@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-PROGRAMS = Path(__file__).parent / "programs"
 ROOT = Path(__file__).parent.parent
+TESTS = Path(__file__).parent
+PROGRAMS = TESTS / "programs"
 
 
 class Proc:
@@ -54,12 +55,13 @@ class Proc:
 
 @pytest.fixture
 def spawn():
-    """Start the program `tests/programs/<name>.py` as a child; killed at teardown."""
+    """Start the program `tests/programs/<name>.py` as a child; killed at teardown. It runs
+    with the project and tests/ on its PYTHONPATH, so it may import `helpers.*`."""
     children: list[Proc] = []
 
     def start(name: str, *args: str, env: dict | None = None) -> Proc:
         cmd = [sys.executable, str(PROGRAMS / f"{name}.py"), *map(str, args)]
-        full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), **(env or {})}
         proc = Proc(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      stdin=subprocess.DEVNULL, env=full_env))
         children.append(proc)

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers.waiting import wait_for_file
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -92,18 +93,11 @@ def test_attach_shows_a_running_job_live_and_exits_when_it_ends(spawn, tmp_path,
     assert trainer.line(timeout=30)["done"] < 3000
 
 
-def _wait_for_run(run_dir: Path) -> None:
-    deadline = time.monotonic() + 30
-    while not (run_dir / "run.json").exists():
-        assert time.monotonic() < deadline, f"{run_dir} never got its run.json"
-        time.sleep(0.05)
-
-
 def test_attach_with_no_run_asks_which_of_several_live_runs(spawn, tmp_path, tmux):
     root = tmp_path / "runs"
     for name in ("first", "second"):
         spawn("slow_trainer", root / name, 3000, 0.02).line()
-        _wait_for_run(root / name)
+        wait_for_file(root / name / "run.json", 30, interval=0.05)
     attach = (f"cd {shlex.quote(str(tmp_path))} && PYTHONPATH={shlex.quote(str(ROOT))} "
               f"{shlex.quote(sys.executable)} -m offloop.cli attach; "  # ./runs, the default root
               "echo ATTACH-EXITED $?; sleep 60")

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from helpers.waiting import wait_for_file
+
 ROOT = Path(__file__).parent.parent.parent
 TESTS = ROOT / "tests"
 
@@ -21,18 +23,11 @@ def offloop(*args: str, timeout: float = 60, cwd: Path | None = None,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL, cwd=cwd)
 
 
-def wait_for(path: Path, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.02)
-
-
 def test_checkpoint_then_halt_a_live_run_then_ls_shows_it_finished(spawn, tmp_path):
     run_dir = tmp_path / "runs" / "job"
     trainer = spawn("slow_trainer", run_dir, 2000, 0.02)
     trainer.line()
-    wait_for(run_dir / "run.json")
+    wait_for_file(run_dir / "run.json")
 
     listed = offloop("ls", "--runs-root", str(tmp_path / "runs"), "--json")
     row = json.loads(listed.stdout.splitlines()[0])
@@ -69,7 +64,7 @@ def test_a_refused_checkpoint_exits_non_zero_naming_why_and_the_run_goes_on(spaw
     run_dir = tmp_path / "runs" / "job"
     trainer = spawn("slow_trainer", run_dir, 2000, 0.02)
     trainer.line()
-    wait_for(run_dir / "run.json")
+    wait_for_file(run_dir / "run.json")
     (run_dir / "checkpoints").write_text("a file where the checkpoint folder should be")
     refused = offloop("checkpoint", str(run_dir), "--tag", "nope")
     assert refused.returncode == 1, refused.stdout
@@ -133,14 +128,14 @@ def test_attach_with_no_run_picks_the_one_live_run_and_names_them_when_there_are
     write_run_info(root / "ghost", RunInfo("g", "ghost", dead.pid, time.time(), {}))
     first = spawn("slow_trainer", root / "first", 3000, 0.02)
     first.line()
-    wait_for(root / "first" / "run.json")
+    wait_for_file(root / "first" / "run.json")
     one = offloop("attach", "--runs-root", str(root), "--once")
     assert one.returncode == 0, one.stderr
     assert "run       first  running" in one.stdout, one.stdout
 
     second = spawn("slow_trainer", root / "second", 3000, 0.02)
     second.line()
-    wait_for(root / "second" / "run.json")
+    wait_for_file(root / "second" / "run.json")
     several = offloop("attach", "--runs-root", str(root), timeout=20)  # stdin is not a terminal
     assert several.returncode == 1, several.stdout
     assert several.stderr.startswith(f"offloop: error: 2 live runs under {root}: first, second; "
@@ -186,7 +181,7 @@ def test_concurrent_checkpoint_commands_each_get_their_own_file(spawn, tmp_path)
     run_dir = tmp_path / "runs" / "job"
     trainer = spawn("slow_trainer", run_dir, 40, 1.5)
     trainer.line()
-    wait_for(run_dir / "run.json")
+    wait_for_file(run_dir / "run.json")
     env = {k: v for k, v in os.environ.items() if k != "OFFLOOP_RUNS"}
     env["PYTHONPATH"] = os.pathsep.join((str(ROOT), str(TESTS)))
     commands = [subprocess.Popen([sys.executable, "-m", "offloop.cli", "checkpoint", str(run_dir), "--tag", tag],

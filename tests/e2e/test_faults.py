@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.fault_callbacks import PidStepLog, StepList
+from helpers.waiting import wait_until
 from programs.sigterm_trainer import make as make_sigterm_trainer
 from torch.utils.data import DataLoader, Dataset
 
@@ -20,14 +21,6 @@ from offloop.bus import ControlClient, Subscriber, find_run
 from offloop.trainer import Trainer
 
 F = torch.nn.functional
-
-
-def wait_until(condition, timeout: float, what: str, every: float = 0.01) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(every)
 
 
 def report(case: str, **figures) -> None:

@@ -51,11 +51,6 @@ def make_keys(folder: Path) -> None:
                        check=True, capture_output=True, timeout=60)
 
 
-def wait_for(predicate, timeout: float, what: str):
-    """predicate()'s first true value, looked for every 50 ms (it reads files)."""
-    return wait_until(predicate, timeout, what, interval=0.05)
-
-
 def notes(path: Path) -> list[dict]:
     """The HostProbe's JSON lines so far."""
     if not path.exists():
@@ -83,7 +78,7 @@ def start_monitor(net: Network, tmp: Path, keys: Path, state: str, name: str, tr
         proc = net.popen("monitor", offloop("worker", state, spec, "--keys", str(keys), "--key-name", "monitor",
                                             "--heartbeat-timeout", "2", "--give-up-after", "60", "--quiet"),
                          stdout=subprocess.DEVNULL, stderr=out, stdin=subprocess.DEVNULL, env=ENV)
-    wait_for(lambda: "joined run" in err.read_text() or proc.poll() is not None, 60, f"{name} to join")
+    wait_until(lambda: "joined run" in err.read_text() or proc.poll() is not None, 60, f"{name} to join", interval=0.05)
     assert proc.poll() is None, err.read_text()
     return proc, probe, err
 
@@ -150,20 +145,20 @@ def test_a_partitioned_monitor_reports_counts_resyncs_and_its_halt_after_the_hea
                                         probe_class)
     observer = Observer(endpoints, keys, sorted(MONITOR_TOPICS[probe_class] | {"control_request"}))
     go.touch()
-    wait_for(lambda: len(notes(probe)) > 50, 60, "the monitor to handle 50 batches")
+    wait_until(lambda: len(notes(probe)) > 50, 60, "the monitor to handle 50 batches", interval=0.05)
 
     cut_at = time.time()
     net.cut("monitor")
-    wait_for(lambda: "partitioned or trainer gone" in err.read_text(), 10, "the monitor's report")
+    wait_until(lambda: "partitioned or trainer gone" in err.read_text(), 10, "the monitor's report", interval=0.05)
     time.sleep(max(0.0, cut_at + PARTITION - time.time()))  # the partition's length is the test
     net.heal("monitor")
     healed_at, step_at_heal = time.time(), observer.step()
-    heard = wait_for(lambda: re.search(r"heard from \S+ again after ([\d.]+)s; state (\w+); caught up: "
+    heard = wait_until(lambda: re.search(r"heard from \S+ again after ([\d.]+)s; state (\w+); caught up: "
                                        r"(\d+) events lost meanwhile \(counted\)", err.read_text()),
-                     60, "the heal report")
+                     60, "the heal report", interval=0.05)
     assert heard.group(2) == "resynced", err.read_text()
-    wait_for(lambda: max((n.get("step", 0) for n in notes(probe)), default=0) > step_at_heal + 5, 60,
-             "the monitor to handle batches trained after the heal")
+    wait_until(lambda: max((n.get("step", 0) for n in notes(probe)), default=0) > step_at_heal + 5, 60,
+             "the monitor to handle batches trained after the heal", interval=0.05)
     trigger.touch()
 
     done = trainer.line(timeout=60)
@@ -231,7 +226,7 @@ def test_killing_the_monitor_host_leaves_the_trainer_and_the_prometheus_host_una
                     for i in range(2)]
         go.touch()
         prom.wait_for(f'offloop_step{{instance="{target}"}}', lambda r: r and float(r[0]["value"][1]) > 0, 60)
-        wait_for(lambda: all(len(notes(probe)) > 20 for _, probe, _ in monitors), 60, "the monitors to work")
+        wait_until(lambda: all(len(notes(probe)) > 20 for _, probe, _ in monitors), 60, "the monitors to work", interval=0.05)
         killed = net.kill_host("monitor")
         assert {proc.pid for proc, _, _ in monitors} <= set(killed)
         killed_at = max(n.get("step", 0) for _, probe, _ in monitors for n in notes(probe))
@@ -266,7 +261,7 @@ def test_a_monitor_on_another_host_follows_and_halts_the_run_through_a_relay_hos
                                                str(announced)),
                               stdout=subprocess.DEVNULL, stderr=out, stdin=subprocess.DEVNULL, env=ENV)
         run_json = announced / started["run_name"] / "run.json"
-        wait_for(lambda: run_json.exists() or relay.poll() is not None, 60, "the relay to announce the run")
+        wait_until(lambda: run_json.exists() or relay.poll() is not None, 60, "the relay to announce the run", interval=0.05)
         assert relay.poll() is None, relay_err.read_text()
         relayed = json.loads(run_json.read_text())["endpoints"]
         assert all(e.startswith(f"tcp://{net.addr['relay']}:") for e in relayed.values()), relayed
@@ -274,7 +269,7 @@ def test_a_monitor_on_another_host_follows_and_halts_the_run_through_a_relay_hos
         monitor, probe, err = start_monitor(net, tmp_path, keys, relayed["state"], "monitor", str(trigger))
         observer = Observer(started["endpoints"], keys, sorted(MONITOR_TOPICS["HostProbe"] | {"control_request"}))
         go.touch()
-        wait_for(lambda: len(notes(probe)) > 50, 60, "the monitor to handle 50 batches through the relay")
+        wait_until(lambda: len(notes(probe)) > 50, 60, "the monitor to handle 50 batches through the relay", interval=0.05)
         trigger.touch()
 
         done = trainer.line(timeout=60)

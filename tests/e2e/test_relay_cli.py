@@ -6,7 +6,8 @@ import json
 import subprocess
 import sys
 
-from test_cli_control import ROOT, offloop, wait_for
+from helpers.waiting import wait_for_file
+from test_cli_control import ROOT, offloop
 
 from offloop.bus import read_run_info
 from offloop.bus.security import generate_keys
@@ -22,11 +23,11 @@ def test_monitors_list_watch_and_halt_a_run_through_the_relay_which_then_exits(s
     run_dir = tmp_path / "runs" / "job"
     trainer = spawn("slow_trainer", run_dir, 2000, 0.02)
     trainer.line()
-    wait_for(run_dir / "run.json")
+    wait_for_file(run_dir / "run.json")
     there = tmp_path / "monitor-host-runs"
     proc = relay(str(there), str(run_dir))
     try:
-        wait_for(there / "job" / "run.json")
+        wait_for_file(there / "job" / "run.json")
         relayed = read_run_info(there / "job")
         assert relayed.endpoints != read_run_info(run_dir).endpoints
 
@@ -63,11 +64,11 @@ def test_with_keys_a_monitor_key_is_refused_a_halt_at_the_relay_and_a_control_ke
     run_dir = tmp_path / "runs" / "job"
     trainer = spawn("slow_trainer", run_dir, 2000, 0.02, env={"SLOW_TRAINER_KEYS": str(keys)})
     trainer.line()
-    wait_for(run_dir / "run.json")
+    wait_for_file(run_dir / "run.json")
     there = tmp_path / "monitor-host-runs"
     proc = relay(str(there), str(run_dir), "--keys", str(keys))
     try:
-        wait_for(there / "job" / "run.json")
+        wait_for_file(there / "job" / "run.json")
         as_watcher = ("--runs-root", str(there), "--keys", str(keys), "--key-name", "watcher")
         screen = offloop("attach", "job", *as_watcher, "--once")
         assert screen.returncode == 0 and "batches/s" in screen.stdout, screen.stderr

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from helpers.waiting import wait_for_file, wait_until
 from torch import nn
 
 from offloop import Callback
@@ -61,13 +62,6 @@ def test_listening_beyond_loopback_without_keys_is_refused_unless_insecure(tmp_p
     trainer.close()
 
 
-def _wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return predicate()
-
-
 def test_only_authorised_keys_reach_a_trainer_with_keys(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="offloop")
     keys = tmp_path / "keys"
@@ -95,9 +89,9 @@ def test_only_authorised_keys_reach_a_trainer_with_keys(tmp_path, caplog):
         with pytest.raises(ControlTimeout):
             ControlClient(info.endpoints["control"], curve=mallory).halt("mallory says stop", timeout=1.5)
         # refused, counted and logged, each attempt (a retrying client reconnects)
-        assert _wait_for(lambda: trainer.control.stats.unauthorized >= 1)
-        assert _wait_for(lambda: caplog.text.count("its key is not authorised")
-                         == trainer.control.stats.unauthorized)
+        wait_until(lambda: trainer.control.stats.unauthorized >= 1, 10, "the refusal to be counted")
+        wait_until(lambda: caplog.text.count("its key is not authorised")
+                   == trainer.control.stats.unauthorized, 10, "a log line for each refusal")
         with pytest.raises(ControlTimeout):  # no keys at all: no handshake, nothing gets through
             ControlClient(info.endpoints["control"]).halt("no keys at all", timeout=1.5)
         assert trainer.control.stats.received == 0  # nothing reached the trainer
@@ -179,7 +173,7 @@ def test_a_monitor_key_reads_but_cannot_halt_and_revocations_apply_to_a_live_con
         info = find_run(str(tmp_path / "run"))
         watcher, boss, eve = (load_client_keys(keys, name, info.curve_public) for name in ("watcher", "boss", "eve"))
         # the trainer's own worker joined with a key pair made in memory: none was written to authorized/
-        assert _wait_for(lambda: (tmp_path / "seen").exists(), timeout=30)
+        wait_for_file(tmp_path / "seen", 30)
         assert sorted(p.name for p in (keys / "authorized").iterdir()) == ["boss.key", "eve.key", "watcher.key"]
 
         # a monitor key reads events and the late-join state, and its halt is refused, saying why
@@ -210,10 +204,11 @@ def test_a_monitor_key_reads_but_cannot_halt_and_revocations_apply_to_a_live_con
             find_run(info.endpoints["state"], curve=eve, timeout=2)
         # her events connection is cut (every subscriber's is; the others reconnect) and she
         # cannot join again: she hears no heartbeat from then on
-        assert _wait_for(lambda: trainer.publisher.stats.cuts == 1, timeout=5)
+        wait_until(lambda: trainer.publisher.stats.cuts == 1, 5, "her connection to be cut")
         assert _drain_until_silent(eves, timeout=15)
         before = watching.stats.received
-        assert _wait_for(lambda: watching.recv(timeout=0.5) is not None and watching.stats.received > before + 5)
+        wait_until(lambda: watching.recv(timeout=0.5) is not None and watching.stats.received > before + 5, 10,
+                   "the watcher to hear events again")
 
         # a role changed in place: boss turned monitor is refused, turned control again is obeyed
         generate_keys(keys, "boss", role="monitor")

@@ -1,9 +1,11 @@
-"""Waiting in tests: a condition with a deadline, never a bare sleep."""
+"""Waiting in tests and in the programs they start: a condition with a deadline, never a
+bare sleep. (Plain Python only: the programs in tests/programs/ import it too.)"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def wait_until(condition: Callable[[], object], timeout: float = 5.0, what: str = "the condition",
@@ -15,3 +17,8 @@ def wait_until(condition: Callable[[], object], timeout: float = 5.0, what: str 
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
     return value
+
+
+def wait_for_file(path: Path, timeout: float = 30.0, interval: float = 0.02) -> None:
+    """Until `path` exists (a child process's signal or output); fail the test after `timeout`."""
+    wait_until(path.exists, timeout, f"{path} to appear", interval)

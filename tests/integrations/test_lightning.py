@@ -16,7 +16,7 @@ pytest.importorskip("lightning")
 
 import torch  # noqa: E402
 from helpers.callbacks import Recorder  # noqa: E402
-from lightning_module import AskAt, Classifier, loader, trainer  # noqa: E402
+from helpers.lightning_module import AskAt, Classifier, loader, trainer  # noqa: E402
 
 from offloop.bus import read_run_info  # noqa: E402
 from offloop.callbacks import EarlyStopper  # noqa: E402
@@ -115,7 +115,7 @@ def test_bad_arguments_and_a_missing_lightning_are_named(tmp_path):
 def test_two_ddp_ranks_save_the_requested_checkpoint_and_halt_at_the_same_batch(tmp_path):
     """Lightning's DDP over gloo, two processes: rank 0 holds the control server; the
     checkpoint (batch 2) and the halt (batch 4) are agreed by both ranks at one batch."""
-    script = str(Path(__file__).parent / "ddp_lightning.py")
+    script = str(Path(__file__).parents[1] / "programs" / "ddp_lightning.py")
     result = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=240,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert result.returncode == 0, result.stderr[-4000:]

@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from control_request import RequestFromHook  # noqa: E402
 from helpers.callbacks import LossProbe, Recorder  # noqa: E402
+from helpers.control_request import RequestFromHook  # noqa: E402
 
 from offloop.bus import read_run_info  # noqa: E402
 from offloop.callbacks import EarlyStopper  # noqa: E402

@@ -10,25 +10,17 @@ import sys
 import time
 from pathlib import Path
 
+from helpers.waiting import wait_until
+
 from offloop.bus import ControlServer
 
 port, signals = int(sys.argv[1]), Path(sys.argv[2])
 
-
-def wait_for(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            print(json.dumps({"timed_out": what}), flush=True)
-            sys.exit(1)
-        time.sleep(0.005)
-
-
-wait_for((signals / "bind").exists, "the bind signal")
+wait_until((signals / "bind").exists, 60, "the bind signal")
 server = ControlServer(port=port)
 server.start()
 print(json.dumps({"bound": server.endpoint}), flush=True)
-wait_for(lambda: server.stats.duplicates >= 1, "a retry queued behind its request")
+wait_until(lambda: server.stats.duplicates >= 1, 60, "a retry queued behind its request")
 applied = []
 deadline = time.monotonic() + 60
 while not (signals / "stop").exists() and time.monotonic() < deadline:

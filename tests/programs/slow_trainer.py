@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -34,7 +33,6 @@ if __name__ == "__main__":
     loader = torch.utils.data.DataLoader(Slow(batches * 8, delay), batch_size=8)
     callbacks = []
     if len(sys.argv) > 4:
-        sys.path.insert(0, str(Path(__file__).parent.parent))  # spawned workers inherit it
         from helpers.fault_callbacks import StepList
 
         callbacks.append(StepList(sys.argv[4]))

@@ -11,23 +11,16 @@ import sys
 import time
 from pathlib import Path
 
+from helpers.waiting import wait_for_file
+
 from offloop.bus import Publisher
-
-
-def wait_for(path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{path} never appeared")
-        time.sleep(0.01)
-
 
 if __name__ == "__main__":
     events, size, folder = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     pub = Publisher("stalled", heartbeat_interval=0.2)
     endpoints = pub.start()
     print(json.dumps({"pid": os.getpid(), "endpoints": endpoints}), flush=True)
-    wait_for(folder / "go", 60)
+    wait_for_file(folder / "go", 60)
     pad = b"x" * size
     sent = 0
     start = time.perf_counter()
@@ -36,6 +29,6 @@ if __name__ == "__main__":
     print(json.dumps({"published": events, "sent": sent, "drops": pub.stats.drops,
                       "tseq": pub.topic_seq("batch_end"),
                       "seconds": round(time.perf_counter() - start, 3)}), flush=True)
-    wait_for(folder / "stop", 120)
+    wait_for_file(folder / "stop", 120)
     pub.close(linger=0.2)
     print(json.dumps({"closed": True}), flush=True)

@@ -4,15 +4,12 @@ slowly until it is killed. argv: run_dir."""
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
+from helpers.fault_callbacks import Stuck
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).parent.parent))  # spawned workers inherit it
-from helpers.fault_callbacks import Stuck  # noqa: E402
-
-from offloop.trainer import Trainer  # noqa: E402
+from offloop.trainer import Trainer
 
 
 class Slow(torch.utils.data.Dataset):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import threading
 
 import torch
+from helpers.data import dataset as data
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
 from offloop.bus import ControlClient
 
@@ -14,12 +15,6 @@ from offloop.bus import ControlClient
 def mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3))
-
-
-def data(n: int = 64, seed: int = 1) -> TensorDataset:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=gen)
-    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
 
 
 def loader(n: int = 64, batch_size: int = 8, shuffle: bool = True, dataset=None) -> DataLoader:

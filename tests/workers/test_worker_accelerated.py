@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 import torchmetrics
-from harness import MemoryLog, run_with_worker
+from helpers.harness import MemoryLog, run_with_worker
 from torch.utils.data import DataLoader
 
 from offloop.trainer import Trainer
@@ -192,7 +192,8 @@ class SpawnedRecorder(TrainerCallback):
 
 
 def test_a_worker_the_trainer_starts_sees_on_init_end_first(tmp_path):
-    from harness import classifier, dataset
+    from helpers.data import dataset
+    from helpers.harness import classifier
 
     record = tmp_path / "calls.json"
     trainer = Trainer(classifier(), DataLoader(dataset(), batch_size=8), "2ep",
@@ -429,7 +430,8 @@ def test_reset_on_train_decides_whether_a_second_fit_remembers_the_best(
         tmp_path, reset_on_train, stop_epoch, best):
     import threading
 
-    from harness import Paced, dataset
+    from helpers.data import dataset
+    from helpers.harness import Paced
 
     from offloop.workers import CallbackRuntime
 

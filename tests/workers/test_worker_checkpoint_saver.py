@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import MemoryLog, Paced, run_with_worker
+from helpers.harness import MemoryLog, Paced, run_with_worker
 
 from offloop.bus import Event
 from offloop.workers.callbacks import CheckpointSaver

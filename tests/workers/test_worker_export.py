@@ -9,7 +9,8 @@ import time
 
 import pytest
 import torch
-from harness import MemoryLog, classifier, dataset, run_with_worker
+from helpers.data import dataset
+from helpers.harness import MemoryLog, classifier, run_with_worker
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
@@ -64,7 +65,7 @@ def test_fit_end_export_in_a_trainer_worker_matches_the_trained_model(tmp_path):
     """The callback runs in the worker process the Trainer spawns; at fit_end it asks for a
     checkpoint of the final weights, which the trainer writes while it waits for workers."""
     target = tmp_path / "exported" / "{run_name}.ts"
-    export = ExportForInferenceCallback("torchscript", str(target), "harness:classifier",
+    export = ExportForInferenceCallback("torchscript", str(target), "helpers.harness:classifier",
                                         sample_input=SAMPLE)
     trainer = Trainer(classifier(), DataLoader(dataset(), batch_size=8, shuffle=True), "3ep",
                       loss_fn=F.cross_entropy, run_dir=tmp_path / "run", seed=3, callbacks=[export],
@@ -144,8 +145,8 @@ def test_onnx_without_its_packages_is_a_clear_error_naming_what_to_install(tmp_p
 
 def test_bad_options_fail_early_and_exports_need_an_input(tmp_path):
     for kwargs, match in (({"save_format": "tflite"}, "save_format"),
-                          ({"model_factory": "harness.classifier"}, "package.module:function"),
-                          ({"model_factory": "harness:no_such_factory"}, "cannot be imported"),
+                          ({"model_factory": "helpers.harness.classifier"}, "package.module:function"),
+                          ({"model_factory": "helpers.harness:no_such_factory"}, "cannot be imported"),
                           ({"model_factory": 3}, "callable"),
                           ({"export_on": "never"}, "export_on")):
         options = {"save_format": "torchscript", "save_path": str(tmp_path / "m"),
@@ -156,7 +157,7 @@ def test_bad_options_fail_early_and_exports_need_an_input(tmp_path):
     torch.save({"model": classifier(seed=5).state_dict()}, checkpoint)
     with pytest.raises(ValueError, match="needs an example input"):
         ExportForInferenceCallback("torch_export", str(tmp_path / "m.pt2"), classifier).export(checkpoint)
-    scripted = ExportForInferenceCallback("torchscript", str(tmp_path / "m.ts"), "harness:classifier")
+    scripted = ExportForInferenceCallback("torchscript", str(tmp_path / "m.ts"), "helpers.harness:classifier")
     path = scripted.export(checkpoint)  # no input: scripted rather than traced
     torch.testing.assert_close(torch.jit.load(str(path))(SAMPLE), outputs_of(classifier(seed=5)),
                                rtol=0, atol=1e-6)

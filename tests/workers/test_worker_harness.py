@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness import MemoryLog, run_with_worker
+from helpers.harness import MemoryLog, run_with_worker
 
 from offloop.workers import Callback
 

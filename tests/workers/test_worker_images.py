@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from harness import MemoryLog, run_with_worker
+from helpers.harness import MemoryLog, run_with_worker
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset

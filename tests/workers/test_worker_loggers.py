@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import run_with_worker
+from helpers.harness import run_with_worker
 
 from offloop.bus import Message
 from offloop.bus.discovery import RunInfo

@@ -8,7 +8,8 @@ import pickle
 
 import pytest
 import torch
-from harness import MemoryLog, dataset, run_with_worker
+from helpers.data import dataset
+from helpers.harness import MemoryLog, run_with_worker
 from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score, MulticlassPrecision
 

@@ -9,7 +9,7 @@ import pickle
 
 import pytest
 import torchmetrics
-from harness import MemoryLog, Paced, run_with_worker
+from helpers.harness import MemoryLog, Paced, run_with_worker
 
 from offloop.workers import Callback
 from offloop.workers.callbacks import MLPerfCallback

@@ -11,7 +11,8 @@ import time
 
 import pytest
 import torch
-from harness import MemoryLog, classifier, dataset, run_with_worker
+from helpers.data import dataset
+from helpers.harness import MemoryLog, classifier, run_with_worker
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import run_with_worker
+from helpers.harness import run_with_worker
 
 from offloop.bus.recording import RecordingWriter, read_recording
 from offloop.bus.wire import EventEncoder

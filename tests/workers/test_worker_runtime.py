@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import MemoryLog, run_with_worker
+from helpers.harness import MemoryLog, run_with_worker
+from helpers.waiting import wait_for_file
 
 from offloop.bus import ReadOnlyError
 from offloop.workers import Callback, CallbackRuntime, ReadOnlyStateError
@@ -177,14 +178,6 @@ def _offloop(*args, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
-def _wait_for(path: Path, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{path} never appeared")
-        time.sleep(0.02)
-
-
 def _wait_for_batch(run_dir: Path, batch: int, timeout: float = 30) -> None:
     """Until the run has published the batch_end of `batch`, as a subscriber of our own sees."""
     from offloop.bus import Subscriber, read_run_info
@@ -206,7 +199,7 @@ def test_worker_process_joins_a_run_under_way_and_exits_at_fit_end(spawn, tmp_pa
     run_dir = tmp_path / "run"
     trainer = spawn("slow_trainer", run_dir, 60, 0.05)
     trainer.line()
-    _wait_for(run_dir / "run.json")
+    wait_for_file(run_dir / "run.json")
     _wait_for_batch(run_dir, 2)  # the run is under way: the worker must join mid-run
     report = tmp_path / "probe.json"
     worker = _offloop("worker", str(run_dir), f"helpers.probes:JoinProbe({str(report)!r})", "--quiet")
@@ -227,11 +220,11 @@ def test_worker_notices_a_killed_trainer_closes_its_callbacks_and_exits(spawn, t
     run_dir = tmp_path / "run"
     trainer = spawn("slow_trainer", run_dir, 1000, 0.05)
     trainer.line()
-    _wait_for(run_dir / "run.json")
+    wait_for_file(run_dir / "run.json")
     report = tmp_path / "probe.json"
     worker = _offloop("worker", str(run_dir), f"helpers.probes:JoinProbe({str(report)!r})", "--quiet",
                       "--heartbeat-timeout", "1", "--give-up-after", "3")
-    _wait_for(Path(str(report) + ".first"))
+    wait_for_file(Path(str(report) + ".first"))
     os.kill(trainer.popen.pid, signal.SIGKILL)
     out, err = worker.communicate(timeout=30)
     assert worker.returncode == 3, err

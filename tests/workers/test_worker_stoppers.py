@@ -14,7 +14,8 @@ import threading
 import pytest
 import torch
 import torchmetrics
-from harness import MemoryLog, Paced, dataset, run_with_worker
+from helpers.data import dataset
+from helpers.harness import MemoryLog, Paced, run_with_worker
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 

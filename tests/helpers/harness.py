@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers.data import dataset
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from offloop.trainer import Trainer
 from offloop.workers import CallbackRuntime
@@ -20,12 +21,6 @@ from offloop.workers.logger import JSONLLogger, LoggerDestination
 def classifier(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
-
-
-def dataset(n: int = 64, seed: int = 1) -> TensorDataset:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=gen)
-    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
 
 
 class Paced(nn.Module):

@@ -1,21 +1,16 @@
 """A small Lightning module on generated data (no downloads), shared by the Lightning tests
-and their torchrun-free DDP helper."""
+and their torchrun-free DDP program (tests/programs/ddp_lightning.py)."""
 
 from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from control_request import RequestFromHook
-from torch.utils.data import DataLoader, TensorDataset
+from helpers.control_request import RequestFromHook
+from helpers.data import dataset
+from torch.utils.data import DataLoader
 
 from offloop.integrations.lightning import OffloopCallback
-
-
-def dataset(n: int = 64, seed: int = 1) -> TensorDataset:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=gen)
-    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
 
 
 def loader(n: int = 64, batch_size: int = 8) -> DataLoader:

@@ -2,7 +2,7 @@
 batch 2 and a halt at batch 4 over the control channel. Lightning starts rank 1 by
 running this script again; each rank writes what it saw to OUT/rank-N.json.
 
-Run: python tests/integrations/ddp_lightning.py OUT
+Run: python tests/programs/ddp_lightning.py OUT
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, for helpers (rank 1 runs this again)
 
-from lightning_module import AskAt, Classifier, loader, trainer  # noqa: E402
+from helpers.lightning_module import AskAt, Classifier, loader, trainer  # noqa: E402
 
 from offloop.integrations.lightning import OffloopCallback  # noqa: E402
 
