@@ -327,7 +327,7 @@ def test_a_subscriber_that_stops_reading_costs_the_publisher_bounded_memory_and_
     # and counts nothing more once later heartbeats have settled
     beats = stats.heartbeats
     wait_until(lambda: stalled.recv(timeout=0.1) is None and stats.heartbeats >= beats + 3, 30,
-               "three more heartbeats", every=0)
+               "three more heartbeats", interval=0)
     assert stats.received + stats.gaps == events and stats.duplicates == 0
     report("stalled_subscriber", **figures, received=stats.received, gaps=stats.gaps)
     stalled.close()
