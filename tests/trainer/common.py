@@ -4,21 +4,9 @@ from __future__ import annotations
 
 import threading
 
-import torch
-from helpers.data import dataset as data
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from offloop.bus import ControlClient
-
-
-def mlp(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3))
-
-
-def loader(n: int = 64, batch_size: int = 8, shuffle: bool = True, dataset=None) -> DataLoader:
-    return DataLoader(dataset or data(n), batch_size=batch_size, shuffle=shuffle)
 
 
 class GatedDataset(Dataset):

@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from common import loader, mlp
+from helpers.trainers import loader, mlp, small_trainer
 
 from offloop import Event, log_metrics
 from offloop.algorithms import EMA, Algorithm, GradientClipping
 from offloop.loggers import FileLogger
-from offloop.trainer import ConfigError, Trainer
+from offloop.trainer import ConfigError
 
 STEPS = 8  # 64 samples in batches of 8, one epoch
 
@@ -23,9 +23,9 @@ STEPS = 8  # 64 samples in batches of 8, one epoch
 def _trainer(tmp_path, algorithms, name="run", **kw):
     """On the CPU, where the hand-written loop it is compared with runs, GPU or not."""
     model = _no_dropout(mlp(seed=3))  # the hand-written loop draws no random numbers either
-    return Trainer(model, loader(64, 8, shuffle=False), kw.pop("max_duration", "1ep"), loss_fn=F.cross_entropy,
-                   optimizers=kw.pop("optimizer", None), algorithms=algorithms, run_dir=tmp_path / name,
-                   seed=1, publish=kw.pop("publish", False), device="cpu", **kw)
+    return small_trainer(tmp_path, kw.pop("max_duration", "1ep"), model=model, name=name, samples=64,
+                         optimizers=kw.pop("optimizer", None), algorithms=algorithms, seed=1,
+                         publish=kw.pop("publish", False), device="cpu", **kw)
 
 
 def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:

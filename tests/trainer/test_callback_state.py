@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 
 import torch
-import torch.nn.functional as F
-from common import loader
+from helpers.trainers import small_trainer
 
-from offloop import Callback, Trainer, log_metrics
+from offloop import Callback, log_metrics
 from offloop.callbacks import CheckpointSaver, EarlyStopper
 
 BATCHES = 4  # 32 samples in batches of 8
@@ -35,9 +34,9 @@ class Scored(torch.nn.Module):
 
 
 def _trainer(tmp_path, name, duration, **kw):
-    return Trainer(Scored(), loader(32, 8, shuffle=False), duration, loss_fn=F.cross_entropy,
-                   callbacks=[EarlyStopper("aux/loss", "train", patience=2), *kw.pop("callbacks", [])],
-                   run_dir=tmp_path / name, seed=1, **kw)
+    return small_trainer(tmp_path, duration, model=Scored(), name=name, seed=1,
+                         callbacks=[EarlyStopper("aux/loss", "train", patience=2), *kw.pop("callbacks", [])],
+                         **kw)
 
 
 def test_an_early_stopper_resumed_from_a_checkpoint_stops_where_the_uninterrupted_run_stops(tmp_path, capfd):

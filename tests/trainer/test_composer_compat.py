@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from common import loader, mlp
+from helpers.trainers import loader, mlp
 from torchmetrics.classification import MulticlassAccuracy
 
 from offloop import Callback, ComposerModel, Event, Trainer

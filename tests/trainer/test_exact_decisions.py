@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from common import loader
+from helpers.trainers import loader
 
 from offloop.trainer import ConfigError, Trainer
 from offloop.workers import Callback

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from common import loader
+from helpers.trainers import loader
 
 from offloop import log_metrics
 from offloop.trainer import Trainer, TrainerError

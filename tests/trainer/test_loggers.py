@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from common import loader
 from helpers.logging_parts import Breaks, LogsImages, OwnProcessLogs, Stalls
 from helpers.tracking_servers import MlflowServer, wandb_history, wandb_records
+from helpers.trainers import loader, small_trainer
 from helpers.waiting import wait_until
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -42,11 +42,10 @@ class Logs(torch.nn.Module):
 
 def _trainer(tmp_path, loggers, callbacks=()):
     torch.manual_seed(0)
-    return Trainer(Logs(), loader(32, 8, shuffle=False), "2ep", loss_fn=F.cross_entropy,
-                   eval_dataloader=loader(16, 8, shuffle=False),
-                   eval_metrics=torchmetrics.classification.MulticlassAccuracy(num_classes=3),
-                   callbacks=list(callbacks), loggers=loggers, run_dir=tmp_path / "run", run_name="logged",
-                   hparams={"lr": 0.1, "width": 8}, seed=1)
+    return small_trainer(tmp_path, "2ep", model=Logs(), eval_dataloader=loader(16, 8, shuffle=False),
+                         eval_metrics=torchmetrics.classification.MulticlassAccuracy(num_classes=3),
+                         callbacks=list(callbacks), loggers=loggers, run_name="logged",
+                         hparams={"lr": 0.1, "width": 8}, seed=1)
 
 
 def test_tensorboard_event_files_hold_the_loss_eval_metrics_callbacks_logs_and_hparams(tmp_path):

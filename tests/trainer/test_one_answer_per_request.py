@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import loader, mlp
+from helpers.trainers import loader, mlp
 from helpers.waiting import wait_until
 from test_trainer_control import gated_run
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch.nn.functional as F
-from common import loader, mlp
+from helpers.trainers import loader, mlp, small_trainer
 
 from offloop.trainer import ConfigError, Trainer
 
@@ -14,8 +14,8 @@ BATCHES = 4  # 32 samples in batches of 8
 
 
 def _trainer(tmp_path, duration, **kw):
-    return Trainer(mlp(), loader(32, 8), duration, loss_fn=F.cross_entropy, run_name="saved",
-                   run_dir=tmp_path / "run", save_folder=str(tmp_path / "{run_name}-checkpoints"), seed=3, **kw)
+    return small_trainer(tmp_path, duration, shuffle=True, run_name="saved",
+                         save_folder=str(tmp_path / "{run_name}-checkpoints"), seed=3, **kw)
 
 
 def test_checkpoints_every_interval_the_newest_kept_and_autoresume_picks_up_from_latest(tmp_path):

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import GatedDataset, ask, data, loader, mlp
+from common import GatedDataset, ask, data
+from helpers.trainers import loader, mlp
 from helpers.waiting import wait_until
 
 from offloop.bus import Subscriber

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import mlp
 from helpers.ranks import torchrun_command
+from helpers.trainers import mlp
 
 from offloop.bus import GRAD_NORMS, RUN_TOPICS, Subscriber
 from offloop.trainer import Trainer

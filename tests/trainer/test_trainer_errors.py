@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from common import loader, mlp
+from helpers.trainers import loader, mlp
 from torch import nn
 
 from offloop.trainer import CheckpointError, ConfigError, Trainer, TrainerError

@@ -9,8 +9,8 @@ import msgpack
 import pytest
 import torch
 import torchmetrics
-from common import loader, mlp
 from helpers.callbacks import BatchCounter, Crasher, ExitOnSecondFit, LossProbe, NiceProbe, Recorder
+from helpers.trainers import loader, mlp
 
 from offloop.bus import Subscriber
 from offloop.bus.timestamp import FIELDS

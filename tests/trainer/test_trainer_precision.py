@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
-from common import loader, mlp
+from helpers.trainers import loader, mlp
 
 from offloop.trainer import Trainer
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import loader, mlp
+from helpers.trainers import loader, mlp
 
 from offloop.trainer import Trainer
 from offloop.trainer.supervisor import process_groups
