@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import GatedDataset, ask, data
+from common import GatedDataset, ask
+from helpers.data import dataset as data
 from helpers.trainers import loader, mlp
 from helpers.waiting import wait_until
 
