@@ -194,6 +194,7 @@ def test_the_client_always_sends_the_args_each_op_must_carry(server):
 # is stored like an ack, the size limit is exact, a message of the wrong shape is counted,
 # and a silent server gets one attempt per retry interval, no more.
 
+
 class Trainer:
     """Stands in for the trainer's loop: polls the server from a thread and acks every
     request with the order it was applied in; `applied` lists (client, req) once each."""
@@ -215,6 +216,7 @@ class Trainer:
         self.done.set()
         self.thread.join(10)
 
+
 @pytest.fixture
 def small_server():
     server = ControlServer(keep_acks=2)
@@ -223,6 +225,7 @@ def small_server():
     yield server, trainer
     trainer.stop()
     server.close()
+
 
 @pytest.mark.guarantee
 def test_stored_acks_are_bounded_and_a_retry_of_a_kept_one_gets_its_ack_not_a_second_application(
@@ -245,6 +248,7 @@ def test_stored_acks_are_bounded_and_a_retry_of_a_kept_one_gets_its_ack_not_a_se
     assert (server.stats.received, server.stats.acked, server.stats.stale) == (6, 3, 1)
     assert trainer.applied == [("c", 1), ("c", 2), ("c", 3)]
 
+
 @pytest.mark.guarantee
 def test_refused_garbage_never_pushes_out_the_ack_a_retry_of_an_applied_request_needs(small_server):
     server, trainer = small_server
@@ -256,6 +260,7 @@ def test_refused_garbage_never_pushes_out_the_ack_a_retry_of_an_applied_request_
                 assert not junk.request("reboot", req=req, **once).ok
         assert client.request("checkpoint", req=1, **once) == applied  # its own ack, from memory
     assert trainer.applied == [("c", 1)]
+
 
 @pytest.mark.guarantee
 def test_requests_past_the_queue_bound_are_refused_at_once_and_a_later_retry_is_served():
@@ -287,6 +292,7 @@ def test_requests_past_the_queue_bound_are_refused_at_once_and_a_later_retry_is_
     finally:
         server.close()
 
+
 @pytest.mark.guarantee
 def test_a_refused_request_retried_gets_the_same_refusal_and_is_refused_once(small_server):
     server, trainer = small_server
@@ -297,6 +303,7 @@ def test_a_refused_request_retried_gets_the_same_refusal_and_is_refused_once(sma
     assert (server.stats.refused, server.stats.duplicates) == (1, 1)
     assert trainer.applied == []
 
+
 def body_of(size: int, client: str = "c", req: int = 1) -> dict:
     """Halt args whose control request encodes to exactly `size` bytes."""
     def encoded(n):
@@ -305,6 +312,7 @@ def body_of(size: int, client: str = "c", req: int = 1) -> dict:
     n = 300 + size - encoded(300)  # a str8/str16 header is the same length all the way
     assert encoded(n) == size
     return {"reason": "x" * n}
+
 
 @pytest.mark.guarantee
 def test_a_request_exactly_at_the_size_limit_is_served_and_one_byte_over_is_refused_by_length():
@@ -321,6 +329,7 @@ def test_a_request_exactly_at_the_size_limit_is_served_and_one_byte_over_is_refu
     finally:
         trainer.stop()
         server.close()
+
 
 @pytest.mark.guarantee
 def test_a_message_of_more_than_one_frame_is_counted_malformed_and_never_reaches_the_trainer(
@@ -342,6 +351,7 @@ def test_a_message_of_more_than_one_frame_is_counted_malformed_and_never_reaches
         rogue.close()
         ctx.destroy(linger=0)
 
+
 @pytest.mark.guarantee
 def test_a_silent_server_gets_one_attempt_per_retry_interval_until_the_timeout(free_port):
     client = ControlClient(f"tcp://127.0.0.1:{free_port}")
@@ -353,6 +363,7 @@ def test_a_silent_server_gets_one_attempt_per_retry_interval_until_the_timeout(f
     assert 2 <= client.attempts <= 4
     client.close()
 
+
 @pytest.mark.guarantee
 def test_a_request_to_a_silent_server_is_sent_once_per_retry_interval(free_port):
     client = ControlClient(f"tcp://127.0.0.1:{free_port}")
@@ -360,6 +371,7 @@ def test_a_request_to_a_silent_server_is_sent_once_per_retry_interval(free_port)
         client.halt(timeout=0.3, retry=30)
     assert client.attempts == 1  # the poll waits out the last fraction of a millisecond
     client.close()
+
 
 @pytest.mark.guarantee
 def test_a_client_keeps_its_connection_between_requests(free_port):
@@ -392,6 +404,7 @@ def test_a_client_keeps_its_connection_between_requests(free_port):
         router.close()
         ctx.destroy(linger=0)
 
+
 @pytest.mark.guarantee
 def test_a_closed_server_has_stopped_serving_and_freed_its_port_even_on_a_shared_context(free_port):
     ctx = zmq.Context()
@@ -419,6 +432,7 @@ def test_a_closed_server_has_stopped_serving_and_freed_its_port_even_on_a_shared
         second.close()
     finally:
         ctx.destroy(linger=0)
+
 
 @pytest.mark.guarantee
 def test_the_client_takes_only_the_ack_of_its_own_request(free_port):
@@ -450,6 +464,7 @@ def test_the_client_takes_only_the_ack_of_its_own_request(free_port):
         thread.join(15)
         router.close()
         ctx.destroy(linger=0)
+
 
 @pytest.mark.guarantee
 @pytest.mark.parametrize("wait", [0.0, -1.0, True, 3, "1"])

@@ -120,6 +120,7 @@ def test_a_run_bound_to_every_interface_is_reached_at_the_host_asked():
 # and no temporary file, one unreadable run hides no other, and an endpoint that answers
 # with something that is not a run is refused (tests that kill mutants of bus/discovery.py).
 
+
 @pytest.mark.guarantee
 def test_a_write_that_fails_half_way_leaves_the_previous_run_json_whole_and_no_temporary_file(tmp_path):
     write_run_info(tmp_path / "alpha", info())
@@ -132,11 +133,13 @@ def test_a_write_that_fails_half_way_leaves_the_previous_run_json_whole_and_no_t
     assert [p.name for p in (tmp_path / "alpha").iterdir()] == ["run.json"]
     assert read_run_info(tmp_path / "alpha").run_name == "alpha"
 
+
 @pytest.mark.guarantee
 def test_a_run_directory_is_created_with_its_missing_parents_owner_only(tmp_path):
     path = write_run_info(tmp_path / "runs" / "nightly" / "alpha", info())
     assert read_run_info(path.parent).run_name == "alpha"
     assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
+
 
 @pytest.mark.guarantee
 def test_an_unreadable_run_is_left_out_of_the_list_and_the_runs_after_it_are_listed(tmp_path):
@@ -147,6 +150,7 @@ def test_an_unreadable_run_is_left_out_of_the_list_and_the_runs_after_it_are_lis
     write_run_info(tmp_path / "c", info("c"))
     write_run_info(tmp_path / "d", info("d"))
     assert [run.run_name for run in list_runs(tmp_path)] == ["c", "d"]
+
 
 class OneAnswer:
     """A real ROUTER socket standing in for a run's state endpoint: it answers the first
@@ -172,6 +176,7 @@ class OneAnswer:
         self.router.close()
         self.ctx.destroy(linger=0)
 
+
 @pytest.mark.guarantee
 def test_an_endpoint_that_answers_with_something_that_is_not_a_run_is_refused_clearly():
     server = OneAnswer(b"\xc1 not msgpack")
@@ -182,6 +187,7 @@ def test_an_endpoint_that_answers_with_something_that_is_not_a_run_is_refused_cl
         assert server.answered.is_set()
     finally:
         server.close()
+
 
 @pytest.mark.guarantee
 def test_a_run_bound_to_every_interface_is_reached_at_the_host_its_endpoint_was_asked_at():

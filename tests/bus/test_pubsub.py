@@ -575,6 +575,7 @@ def test_an_event_member_is_published_under_its_topic(publisher):
 # of bus/publisher.py): every event carries the next sequence number, held or not, and a
 # heartbeat comes every interval, so tail loss is found that soon.
 
+
 @pytest.mark.guarantee
 def test_every_event_carries_the_next_sequence_number_held_or_not(publisher):
     with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
@@ -596,6 +597,7 @@ def test_every_event_carries_the_next_sequence_number_held_or_not(publisher):
     assert [(m.topic, m.tseq) for m in got] == [(t, i) for i in range(1, 6) for t in ("batch_start", "batch_end")]
     assert publisher.seq == first + 10
 
+
 @pytest.mark.guarantee
 def test_a_heartbeat_comes_every_interval_and_carries_the_latest_sequence_number(publisher):
     with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"], topics=["batch_end"]) as sub:
@@ -609,6 +611,7 @@ def test_a_heartbeat_comes_every_interval_and_carries_the_latest_sequence_number
         assert sub.stats.heartbeats >= beats + 10, "fewer than 10 heartbeats in 5 s at an interval of 0.1 s"
         assert sub.stats.gaps == 0 and publisher.stats.beats >= 10
 
+
 def _peer_sends(endpoint: str, message: bytes) -> None:
     """A local peer of another process sends one raw message into the events socket (an
     XSUB sends what it is given upstream: a subscription or anything else)."""
@@ -618,6 +621,7 @@ def _peer_sends(endpoint: str, message: bytes) -> None:
     # its exit status is not looked at: libzmq may crash the sender whose oversize message
     # made the publisher cut it off (seen with pyzmq 27); the publisher is what is tested
     subprocess.run([sys.executable, "-c", code, endpoint], input=message, capture_output=True, timeout=30)
+
 
 @pytest.mark.guarantee
 def test_a_message_that_is_not_a_subscription_changes_no_subscription_and_is_counted(publisher):
@@ -634,6 +638,7 @@ def test_a_message_that_is_not_a_subscription_changes_no_subscription_and_is_cou
         publisher.publish("batch_end", (0, 2, 2, 2, 0), {"i": 2})
         assert sub.recv(timeout=5).data == {"i": 2}
         assert publisher.stats.foreign_messages == 1 and publisher.wants("batch_end")
+
 
 @pytest.mark.guarantee
 def test_many_open_prefixes_are_matched_as_one_and_a_subscriber_still_gets_its_topic(publisher):
@@ -659,6 +664,7 @@ def test_many_open_prefixes_are_matched_as_one_and_a_subscriber_still_gets_its_t
     finally:
         sub.close(linger=0)
         ctx.term()
+
 
 @pytest.mark.guarantee
 def test_a_backlog_of_late_join_requests_is_answered_in_rounds_with_one_settle_wait_each(publisher, monkeypatch):

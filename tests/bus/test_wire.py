@@ -292,6 +292,7 @@ def test_requests_the_docs_allow_decode(raw):
 
 # ----------------------------------------------------------------------- bursts
 
+
 def burst_events(n=3):
     return [[topic, seq, seq, 1.5 + seq, (0, seq, seq, 8 * seq, 0), data] for seq, (topic, data) in enumerate(
         [("batch_start", {"batch_size": 8}), ("after_loss", {"loss": TENSORS["f32"]}),
@@ -470,11 +471,14 @@ def test_bad_bursts_raise_wire_error(name):
 
 VALUES_TS = (0, 1, 1, 32, 0)
 
+
 def _encode(data: dict) -> list:
     return EventEncoder("run", "pub", 0).encode_event(["batch_end", 1, 1, 0.5, VALUES_TS, data])
 
+
 def _descriptor(index, dtype: str = "float32", shape=(1,)) -> msgpack.ExtType:
     return msgpack.ExtType(TENSOR_EXT, msgpack.packb([index, dtype, list(shape)]))
+
 
 def _crafted(data: dict, tensor_frames: list) -> list:
     """A valid event's frames with `data` put in its body as is (tensor descriptors made by
@@ -485,6 +489,7 @@ def _crafted(data: dict, tensor_frames: list) -> list:
     body[-1] = data
     return [head[:cut] + msgpack.packb(body, use_bin_type=True), *tensor_frames]
 
+
 @pytest.mark.guarantee
 @pytest.mark.parametrize("dtype", sorted(DTYPE_SIZES))
 def test_every_dtype_travels_with_its_size(dtype):
@@ -493,6 +498,7 @@ def test_every_dtype_travels_with_its_size(dtype):
     assert received.dtype == dtype and received.shape == (2, 3)
     assert received.nbytes == 6 * DTYPE_SIZES[dtype] == len(received.data)
     assert torch.equal(received.to_torch(), source)
+
 
 @pytest.mark.guarantee
 def test_a_contiguous_array_is_sent_without_a_copy_and_a_strided_one_as_its_values():
@@ -504,6 +510,7 @@ def test_a_contiguous_array_is_sent_without_a_copy_and_a_strided_one_as_its_valu
     assert np.array_equal(data["c"].to_numpy(), contiguous)
     assert np.array_equal(data["t"].to_numpy(), contiguous.T)
 
+
 @pytest.mark.guarantee
 def test_a_tensor_frame_referred_to_twice_is_refused_by_its_number():
     frames = _crafted({"a": _descriptor(1), "b": _descriptor(1)}, [bytes(4), bytes(4)])
@@ -511,12 +518,14 @@ def test_a_tensor_frame_referred_to_twice_is_refused_by_its_number():
                                         r"of the message's 2 tensor frames must be referred to by exactly one$"):
         decode_event(frames)
 
+
 @pytest.mark.guarantee
 def test_a_tensor_frame_referred_to_by_none_is_refused_by_its_number():
     frames = _crafted({"a": _descriptor(1)}, [bytes(4), bytes(4)])
     with pytest.raises(WireError, match=r"^tensor frame 2 is referred to by 0 tensor descriptors; each "
                                         r"of the message's 2 tensor frames"):
         decode_event(frames)
+
 
 @pytest.mark.guarantee
 @pytest.mark.parametrize("index", [0, 2])
@@ -526,12 +535,14 @@ def test_a_frame_index_outside_the_tensor_frames_is_named(index):
                                         r"message's 1 tensor frames \(1\.\.1\)$"):
         decode_event(frames)
 
+
 @pytest.mark.guarantee
 def test_an_empty_dimension_is_a_tensor_and_a_negative_one_is_refused():
     empty = decode_event(_crafted({"a": _descriptor(1, shape=(0, 3))}, [b""])).data["a"]
     assert empty.shape == (0, 3) and empty.nbytes == 0
     with pytest.raises(WireError, match=r"shape \[-1\] is not a list of non-negative ints"):
         decode_event(_crafted({"a": _descriptor(1, shape=(-1,))}, [b""]))
+
 
 @pytest.mark.guarantee
 def test_an_extension_value_is_named_with_or_without_tensor_frames():
@@ -542,6 +553,7 @@ def test_an_extension_value_is_named_with_or_without_tensor_frames():
         with pytest.raises(WireError, match="unknown msgpack ext type 5"):
             decode_event(_crafted(data, tensor_frames))
 
+
 @pytest.mark.guarantee
 def test_frames_as_bytes_or_buffers_decode_alike():
     frames = _encode({"x": torch.arange(4, dtype=torch.int32)})
@@ -551,6 +563,7 @@ def test_frames_as_bytes_or_buffers_decode_alike():
         message = decode_event(mixed)
         assert message.topic == "batch_end" and message.from_state is False
         assert message.data["x"].to_torch().tolist() == [0, 1, 2, 3]
+
 
 @pytest.mark.guarantee
 def test_the_default_body_limit_is_4_mib_exactly():
@@ -563,6 +576,7 @@ def test_the_default_body_limit_is_4_mib_exactly():
     with pytest.raises(WireError, match=rf"message body is {limit + 1} bytes, the limit is {limit}"):
         decode_event(too_big)
 
+
 class _Sized:
     """A frame known by its length alone: the message limit is checked before any byte is read."""
 
@@ -572,6 +586,7 @@ class _Sized:
     def __len__(self) -> int:
         return self.n
 
+
 @pytest.mark.guarantee
 def test_the_default_message_limit_is_256_mib_exactly():
     limit = 256 << 20
@@ -579,6 +594,7 @@ def test_the_default_message_limit_is_256_mib_exactly():
     with pytest.raises(WireError, match=rf"message is {limit + 1} bytes, the limit is {limit}"):
         check_size([b"x", _Sized(limit)])
     check_size([b"x", _Sized(9)], Limits(max_message_bytes=10))
+
 
 @pytest.mark.guarantee
 def test_limits_cannot_be_changed_in_place():
