@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -69,17 +70,22 @@ def default_runs_root() -> Path:
 
 
 def write_run_info(run_dir: str | os.PathLike, info: RunInfo) -> Path:
-    """Write run.json atomically; the directory is created owner-only."""
+    """Write run.json atomically and durably; the directory is created owner-only. The
+    temporary files of run.json writes that were killed (their process is gone) go first."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     info.run_dir = str(run_dir.resolve())
+    remove_stale_temporaries(run_dir, RUN_FILE)
     return write_json_atomically(run_dir / RUN_FILE, info.to_dict(), indent=2, sort_keys=True)
 
 
 def write_json_atomically(target: Path, data: Any, **dump: Any) -> Path:
-    """`data` as JSON in `target`, all or nothing: written to a temporary file beside it,
-    fsynced, then renamed over it, so a reader never sees half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    """`data` as JSON in `target`, all or nothing: written to a temporary file beside it
+    (named for its writer's pid, so one a killed writer left is known as such), fsynced,
+    renamed over it, and the folder fsynced: a reader never sees half a file, and after a
+    power cut the new name is there."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.pid{os.getpid()}.", suffix=".tmp",
+                               dir=target.parent)
     try:
         with os.fdopen(fd, "w") as out:
             json.dump(data, out, **dump)
@@ -89,7 +95,40 @@ def write_json_atomically(target: Path, data: Any, **dump: Any) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_folder(target.parent)
     return target
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make the names in `folder` (a rename into it) durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+#: the temporary file of an atomic write: ``.<name>.pid<writer's pid>.<random>.tmp``
+_TEMPORARY = re.compile(r"^\.(.+)\.pid(\d+)\..+\.tmp$")
+
+
+def remove_stale_temporaries(folder: Path, name: str | None = None) -> list[str]:
+    """Remove the temporary files of atomic writes (of `name` only, if given) whose writer
+    is gone: one killed mid-write (SIGKILL, a power cut) leaves one. A live writer's are
+    kept. The names removed."""
+    removed = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:  # no folder yet, or not readable: nothing of ours there
+        return removed
+    for entry in entries:
+        match = _TEMPORARY.match(entry.name)
+        if (match is None or (name is not None and match.group(1) != name)
+                or pid_alive(int(match.group(2)))):
+            continue
+        entry.unlink(missing_ok=True)
+        removed.append(entry.name)
+    return removed
 
 
 def read_run_info(run_dir: str | os.PathLike) -> RunInfo:

@@ -11,7 +11,6 @@ import itertools
 import logging
 import os
 import random
-import re
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from offloop.bus import ControlRequest, Timestamp
-from offloop.bus.discovery import pid_alive
+from offloop.bus.discovery import fsync_folder, remove_stale_temporaries
 from offloop.trainer.errors import CheckpointError
 
 __all__ = [
@@ -101,7 +100,7 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # the writer's pid in the name: a file a killed writer left is known as such (remove_stale)
+        # the writer's pid in the name: one a killed writer left is known (remove_stale_temporaries)
         fd, tmp = tempfile.mkstemp(
             prefix=f".{path.name}.pid{os.getpid()}.", suffix=".tmp", dir=path.parent
         )
@@ -115,7 +114,7 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
             out.flush()
             os.fsync(out.fileno())
         _publish(Path(tmp), path)
-        _fsync_folder(path.parent)  # the new name itself survives a power cut
+        fsync_folder(path.parent)  # the new name itself survives a power cut
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(exc, CheckpointError):  # the name is taken: said as it is
@@ -149,34 +148,6 @@ def _publish(tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
         return
     tmp.unlink()
-
-
-def _fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_STALE = re.compile(r"^\..+\.pid(\d+)\..+\.tmp$")
-
-
-def remove_stale(folder: Path) -> list[str]:
-    """Remove the temporary files of checkpoint writes whose process is gone (a writer
-    killed mid-write, SIGKILL or a power cut, leaves one); a live writer's are kept."""
-    removed = []
-    try:
-        entries = list(folder.iterdir())
-    except OSError:  # no folder yet, or not readable: nothing of ours there
-        return removed
-    for entry in entries:
-        match = _STALE.match(entry.name)
-        if match is None or pid_alive(int(match.group(1))):
-            continue
-        entry.unlink(missing_ok=True)
-        removed.append(entry.name)
-    return removed
 
 
 def _os_error(exc: BaseException | None) -> OSError | None:
@@ -240,7 +211,7 @@ class Checkpointer:
         self.epoch_rng: dict | None = None  # the RNG state this epoch's data order is drawn from
         self._resume_batches = 0  # batches of the restored epoch already trained
         if rank == 0:
-            for name in remove_stale(folder):
+            for name in remove_stale_temporaries(folder):
                 log.warning(
                     "offloop: removed %s in %s, left by a checkpoint write that was killed",
                     name,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -119,6 +121,54 @@ def test_a_run_bound_to_every_interface_is_reached_at_the_host_asked():
 # run.json's guarantees at their edges: a failed write leaves the previous version whole
 # and no temporary file, one unreadable run hides no other, and an endpoint that answers
 # with something that is not a run is refused (tests that kill mutants of bus/discovery.py).
+
+
+def test_the_run_folder_is_fsynced_after_run_json_gets_its_name(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+
+    def record(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    write_run_info(tmp_path / "alpha", info())
+    assert synced[-1] == str(tmp_path / "alpha")  # the new name itself survives a power cut
+    assert synced[0].startswith(str(tmp_path / "alpha" / ".run.json.pid"))  # the bytes first
+
+
+_KILLED_MID_WRITE = """
+import os, sys, time
+from offloop.bus import RunInfo
+from offloop.bus.discovery import write_run_info
+
+def stuck(fd):
+    print("writing", flush=True)
+    time.sleep(60)
+
+os.fsync = stuck  # the bytes are in the temporary file; the rename never comes
+write_run_info(sys.argv[1], RunInfo(run_id="id-killed", run_name="killed", pid=os.getpid(),
+                                    started=time.time(), endpoints={}))
+"""
+
+
+def test_a_killed_writers_run_json_temporary_is_removed_when_the_next_run_starts_there(tmp_path):
+    run_dir = tmp_path / "alpha"
+    write_run_info(run_dir, info())
+    writer = subprocess.Popen([sys.executable, "-c", _KILLED_MID_WRITE, str(run_dir)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "writing"
+    finally:
+        writer.kill()
+        writer.wait(timeout=10)
+    left = [p.name for p in run_dir.iterdir() if p.name != "run.json"]
+    assert len(left) == 1 and left[0].startswith(f".run.json.pid{writer.pid}.")
+    live = run_dir / f".run.json.pid{os.getpid()}.abc123.tmp"  # a writer still at work
+    live.write_text("{")
+    write_run_info(run_dir, info("beta"))
+    assert sorted(p.name for p in run_dir.iterdir()) == [live.name, "run.json"]
+    assert read_run_info(run_dir).run_name == "beta"
 
 
 @pytest.mark.guarantee

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from offloop.bus import ControlRequest
+from offloop.bus.discovery import remove_stale_temporaries
 from offloop.trainer.checkpoint import (
     check_filename,
     load_checkpoint,
-    remove_stale,
     requested_name,
     save_checkpoint,
 )
@@ -164,9 +164,9 @@ def test_a_killed_writers_temporary_file_is_removed_and_a_live_ones_kept(tmp_pat
     other = folder / ".notes.tmp"
     for file in (stale, live, other):
         file.write_bytes(b"half")
-    assert remove_stale(folder) == [stale.name]
+    assert remove_stale_temporaries(folder) == [stale.name]
     assert not stale.exists() and live.exists() and other.exists()
-    assert remove_stale(tmp_path / "missing") == []
+    assert remove_stale_temporaries(tmp_path / "missing") == []
 
 
 @pytest.mark.guarantee
