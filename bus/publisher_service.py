@@ -27,6 +27,9 @@ STALL_CHECK = 0.05
 #: the largest message a peer may send into the events socket: (un)subscriptions are a
 #: byte and a topic prefix; anything longer is not one
 MAX_SUBSCRIPTION_BYTES = 4096
+#: requests of one connection libzmq reads ahead for the state socket: a client asks one at
+#: a time, and a flood of large ones waits in TCP (the sender's memory), not in ours
+STATE_RCVHWM = 4
 
 
 class PublisherService:
@@ -55,7 +58,7 @@ class PublisherService:
                        maxmsgsize=MAX_SUBSCRIPTION_BYTES)  # a longer one is no subscription
         events = self._bind(back, host, events_port)
         router = _socket(ctx, zmq.ROUTER, maxmsgsize=self.late_join.limits.max_body_bytes,
-                         linger=0)
+                         linger=0, rcvhwm=STATE_RCVHWM)
         state = self._bind(router, host, state_port)
         watcher = ctx.socket(zmq.XPUB)
         watcher.connect(inproc)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import zmq
 import zmq.utils.garbage as garbage
+from helpers.figures import report
 from helpers.waiting import wait_until
 from helpers.wire_values import deepest_alone, nested
 
@@ -694,3 +695,55 @@ def test_a_backlog_of_late_join_requests_is_answered_in_rounds_with_one_settle_w
     waits = [s for s in settles if s == module.SUBSCRIPTION_SETTLE]
     assert len(waits) <= 20  # one a round of up to STATE_BATCH (64), not one a request (200 before)
     assert frames  # each answer a whole state: header then its entries
+
+
+def _memory(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (the peak) of a process, in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def test_a_flood_of_padded_state_requests_is_held_a_few_a_connection_not_all_in_memory(spawn):
+    # issue 44: 400 well-formed state requests padded to 4 MiB were all read into the
+    # publisher's memory (23 to 1,195 MiB) before its service thread reached them
+    import zmq
+
+    from offloop.bus.wire import encode_request
+
+    child = spawn("streaming_publisher", 60)
+    endpoints = child.line()
+    assert child.line()["published"] == 100
+    before = _memory(child.popen.pid)["VmRSS"]
+    body = encode_request("state_req", topics=["batch_end"], pad=b"x" * ((4 << 20) - 4096))
+    ctx = zmq.Context()
+    flood = ctx.socket(zmq.DEALER)
+    flood.linger = 0
+    flood.sndhwm = 2  # this process holds almost nothing: what waits, waits in the publisher
+    flood.connect(endpoints["state"])
+    sent, answers, deadline = 0, 0, time.monotonic() + 30
+    try:
+        while sent < 400 and time.monotonic() < deadline:
+            try:
+                flood.send(body, zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                time.sleep(0.001)
+            while flood.poll(0):
+                flood.recv_multipart()
+                answers += 1
+        grown = _memory(child.popen.pid)["VmHWM"] - before
+        while answers < sent and flood.poll(5000):  # every request sent is answered
+            flood.recv_multipart()
+            answers += 1
+    finally:
+        flood.close()
+        ctx.term()
+    report("state_request_flood", sent=sent, answered=answers, peak_growth_mib=round(grown / 2**20, 1))
+    assert sent >= 40, "the publisher stopped reading its state socket"
+    assert answers == sent
+    assert grown < 64 << 20, f"the publisher grew by {grown / 2**20:.0f} MiB"

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.fault_callbacks import PidStepLog, StepList
+from helpers.figures import report
 from helpers.waiting import wait_until
 from programs.sigterm_trainer import make as make_sigterm_trainer
 from torch.utils.data import DataLoader, Dataset
@@ -21,11 +22,6 @@ from offloop.bus import ControlClient, Subscriber, find_run
 from offloop.trainer import Trainer
 
 F = torch.nn.functional
-
-
-def report(case: str, **figures) -> None:
-    """The figures docs/reliability.md quotes; shown with `pytest -s`."""
-    print(json.dumps({"case": case, **figures}))
 
 
 def model() -> torch.nn.Module:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import threading
 import time
 
@@ -24,6 +23,7 @@ import pytest
 import torch
 import zmq
 from helpers import wire_oracle
+from helpers.figures import report
 from helpers.waiting import wait_until
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -47,11 +47,6 @@ from offloop.trainer import Trainer
 EXAMPLES = 3000
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
-
-
-def report(case: str, **figures) -> None:
-    """The figures docs/reliability.md quotes; shown with `pytest -s`."""
-    print(json.dumps({"case": case, **figures}))
 
 
 
