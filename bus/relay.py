@@ -11,7 +11,9 @@ accounting are the trainer's own: a monitor counts exactly what it lost, whether
 relay's queue for it dropped it or the trainer's did. With keys, the relay is a CURVE
 server to its monitors (its own `authorized/` folder, read again when it changes, roles
 enforced here: a monitor key cannot halt) and a CURVE client of the trainer, whose key
-the trainer must authorise as `control` for halts and checkpoints to pass. Run info is
+the trainer must authorise as `control` for halts and checkpoints to pass. A relay never
+offers less than the run behind it: for a run with keys it refuses to start without keys
+of its own (`keys`), whatever its host. Run info is
 answered with the relay's endpoints and key, so `attach`, `worker`, `halt` and
 `checkpoint` given the relay's state endpoint stay on the relay.
 """
@@ -78,6 +80,14 @@ class Relay:
         if info.curve_public and upstream is None:
             raise SecurityError(f"run {info.run_name} has keys: the relay needs a client key "
                                 "the trainer authorises (--keys DIR --key-name NAME)")
+        if (info.curve_public or upstream is not None) and keys is None:
+            # never less than the run behind it: without keys of its own, any local account
+            # could read the run and halt it through the relay's control key
+            raise SecurityError(
+                f"run {info.run_name} has keys: the relay needs keys of its own too, or any "
+                "local account could read and halt the run through it; pass --keys DIR (its "
+                "trainer.key_secret is the relay's server key, its authorized/ the monitors "
+                "it admits, with their roles)")
         self.info = info
         self.upstream = dict(info.endpoints)
         self.host = host

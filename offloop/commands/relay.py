@@ -31,9 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-name", default="relay",
                         help="the relay's client key pair in --keys, authorised by the trainer as control")
     parser.add_argument("--upstream-keys",
-                        help="another keys folder for the trainer side, when the trainer's is not --keys")
+                        help="another keys folder for the trainer side, when the trainer's is not --keys "
+                             "(--keys is still needed: a relay of a run with keys has keys of its own)")
     parser.add_argument("--insecure", action="store_true",
-                        help="listen beyond loopback without keys (anyone who reaches it can halt the run)")
+                        help="listen beyond loopback without keys (anyone who reaches it can halt the run); "
+                             "never for a run with keys, which needs --keys")
     parser.add_argument("--announce", metavar="RUNS_ROOT",
                         help="write RUNS_ROOT/<run name>/run.json naming the relay, so `offloop ls`, "
                              "`attach`, `halt` on this host find the run by name")
@@ -85,9 +87,12 @@ def run(args: argparse.Namespace) -> int:
         abort(f"run {info.run_name} has finished; there is nothing to relay")
     if args.subscriber_hwm < 1:
         abort(f"--subscriber-hwm must be at least 1, got {args.subscriber_hwm}")
-    relay = Relay(info, host=args.host, events_port=args.events_port, state_port=args.state_port,
-                  control_port=args.control_port, keys=keys, upstream=upstream,
-                  subscriber_hwm=args.subscriber_hwm, heartbeat_timeout=args.heartbeat_timeout)
+    try:  # a run with keys and no --keys for the relay's own side: refused (--insecure or not)
+        relay = Relay(info, host=args.host, events_port=args.events_port, state_port=args.state_port,
+                      control_port=args.control_port, keys=keys, upstream=upstream,
+                      subscriber_hwm=args.subscriber_hwm, heartbeat_timeout=args.heartbeat_timeout)
+    except BusError as exc:
+        abort(str(exc))
     try:
         endpoints = relay.start()
     except Exception as exc:  # a port in use, an address not on this host

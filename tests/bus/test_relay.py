@@ -26,7 +26,8 @@ from offloop.bus import (
     read_run_info,
     write_run_info,
 )
-from offloop.bus.security import generate_keys, load_client_keys, load_server_keys
+from offloop.bus.relay import Relay
+from offloop.bus.security import SecurityError, generate_keys, load_client_keys, load_server_keys
 from offloop.bus.wire import decode_reply, encode_request
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -252,6 +253,27 @@ def test_a_run_with_keys_is_refused_a_relay_without_a_key_for_it(tmp_path, keys)
                               capture_output=True, text=True, timeout=60, cwd=ROOT.parent)
     assert done.returncode == 2
     assert "has keys" in done.stderr and "--keys" in done.stderr
+
+
+def test_a_relay_never_offers_less_than_its_run_it_needs_keys_of_its_own_for_a_run_with_keys(
+        tmp_path, keys):
+    with a_run(tmp_path, keys=keys) as (_, control, run_dir):
+        info = read_run_info(run_dir)
+        upstream = load_client_keys(keys, "relay", info.curve_public)
+        with pytest.raises(SecurityError, match=r"run relayed has keys.*--keys DIR"):
+            Relay(info, upstream=upstream)  # the library refuses it, for every bridge built on it
+        with pytest.raises(SecurityError, match=r"--keys DIR"):  # a client key says the run has keys
+            Relay(RunInfo.from_dict({**info.to_dict(), "curve_public": ""}), upstream=upstream)
+        for extra in ([], ["--insecure"], ["--host", "0.0.0.0", "--insecure"]):
+            done = subprocess.run([sys.executable, "-m", "offloop.cli", "relay", str(run_dir),
+                                   "--upstream-keys", str(keys), "--announce", str(tmp_path / "a"),
+                                   *extra], capture_output=True, text=True, timeout=60,
+                                  cwd=ROOT.parent, env={k: v for k, v in os.environ.items()
+                                                        if k != "OFFLOOP_KEYS"})
+            assert done.returncode == 2, (extra, done.stderr)
+            [line] = done.stderr.strip().splitlines()  # one line, no traceback
+            assert line.startswith("offloop: error: run relayed has keys") and "--keys DIR" in line
+        assert not (tmp_path / "a").exists() and control.stats.received == 0
 
 
 def test_the_relay_exits_once_the_run_has_finished_and_marks_its_announcement(tmp_path):

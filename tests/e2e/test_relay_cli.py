@@ -6,7 +6,8 @@ import json
 import subprocess
 import sys
 
-from helpers.waiting import wait_for_file
+import pytest
+from helpers.waiting import wait_for_file, wait_until
 from test_cli_control import ROOT, offloop
 
 from offloop.bus import read_run_info
@@ -89,3 +90,35 @@ def test_with_keys_a_monitor_key_is_refused_a_halt_at_the_relay_and_a_control_ke
             proc.communicate(timeout=10)
     assert proc.returncode == 0, err
     assert "refused 1" in err, err
+
+
+def test_a_run_with_keys_is_refused_a_relay_without_keys_of_its_own(spawn, tmp_path):
+    """Issue 44: given only the trainer side's key (--upstream-keys), a relay listened on
+    loopback without keys, and a halt with no keys at all went through it to the run."""
+    keys = tmp_path / "keys"
+    generate_keys(keys, "relayup", role="control")  # the trainer admits the relay's key as control
+    run_dir = tmp_path / "runs" / "job"
+    trainer = spawn("slow_trainer", run_dir, 2000, 0.02, env={"SLOW_TRAINER_KEYS": str(keys)})
+    trainer.line()
+    wait_for_file(run_dir / "run.json")
+    there = tmp_path / "monitor-host-runs"
+    proc = relay(str(there), str(run_dir), "--upstream-keys", str(keys), "--key-name", "relayup")
+    try:
+        wait_until(lambda: proc.poll() is not None or (there / "job" / "run.json").exists(), 60,
+                   "the relay to exit or announce itself")
+        if proc.poll() is None:  # it started: what any local account can then do through it
+            halt = offloop("halt", read_run_info(there / "job").endpoints["state"], "--reason",
+                           "no keys at all")
+            pytest.fail(f"the relay started without keys of its own; a halt with no keys through it: "
+                        f"exit {halt.returncode}, {halt.stdout.strip()!r} {halt.stderr.strip()!r}")
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert proc.returncode == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("offloop: error: "), err  # one line, no traceback
+    assert "run job has keys" in lines[0] and "--keys DIR" in lines[0], err
+    assert not (there / "job").exists()  # nothing announced
+    assert trainer.popen.poll() is None and not read_run_info(run_dir).finished  # training goes on
