@@ -6,6 +6,9 @@ costs one attribute check per batch boundary when nothing is pending. A request 
 wire rules refuse (docs/protocol.md: its `t`, its op's args) is counted malformed and
 answered with an error naming the field; one for an unknown op, or a checkpoint file
 name that is not a plain name, is refused at once (ok false). Neither reaches the trainer.
+Every request expires: `wait` seconds after it arrived (DEFAULT_WAIT without one), and it is
+never applied in a fit later than the one it arrived in (`fit`, stamped on arrival). Refusals
+are kept apart from the trainer's answers, so no number of them pushes an answer out.
 """
 
 from __future__ import annotations
@@ -35,12 +38,17 @@ from offloop.bus.wire import (
 )
 from offloop.bus.wire.requests import CONTROL_ARGS, control_refusal
 
-__all__ = ["ControlServer", "ControlClient", "ControlRequest", "Ack", "OPS"]
+__all__ = ["ControlServer", "ControlClient", "ControlRequest", "Ack", "OPS", "DEFAULT_WAIT"]
 
 log = logging.getLogger("offloop.control")
 
 #: The only requests that ever flow back to a trainer.
 OPS = ("halt", "checkpoint")
+
+#: the lifetime of a request that carries no `wait`, in seconds: the longest any of offloop's
+#: own clients waits by default (a callback's `control_timeout`; `ControlClient` and
+#: `offloop halt` wait 30 s, and say so in `wait`)
+DEFAULT_WAIT = 60.0
 
 
 @dataclass
@@ -55,15 +63,22 @@ class ControlRequest:
     _server: ControlServer | None = field(default=None, repr=False)
     #: how long the client said it waits for the answer (from its first attempt), or None
     wait: float | None = None
+    #: the fit it arrived in (or, between fits, after): the server's `fit` when it arrived
+    fit: int = 1
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.client, self.req)
 
+    @property
+    def lifetime(self) -> float:
+        """Seconds it lives after it arrived: its `wait`, or DEFAULT_WAIT without one."""
+        return DEFAULT_WAIT if self.wait is None else self.wait
+
     def given_up(self, now: float) -> bool:
-        """Whether the client has stopped waiting: `wait` seconds after this server first
+        """Whether the client has stopped waiting: `lifetime` seconds after this server first
         received it (the client's clock is never compared with this one)."""
-        return self.wait is not None and now - self.received > self.wait
+        return now - self.received > self.lifetime
 
     def ack(self, **result: Any) -> None:
         self._server._answer(self, ok=True, result=result, error=None)
@@ -101,10 +116,15 @@ class ControlStats:
     overflow: int = 0
     #: a retry of a request answered so long ago that its ack is no longer kept: not applied again
     stale: int = 0
+    #: answers (ok true) and refusals (ok false) forgotten to keep each store within keep_acks
+    evicted_acks: int = 0
+    evicted_refusals: int = 0
 
 
 class ControlServer:
-    """ROUTER socket served by a thread; requests queue for the trainer's `poll()`."""
+    """ROUTER socket served by a thread; requests queue for the trainer's `poll()`.
+    `keep_acks`: how many of the trainer's answers that applied a request are kept for
+    retries, how many refusals apart from them, and how many clients' highest `req` of each."""
 
     def __init__(
         self,
@@ -131,20 +151,26 @@ class ControlServer:
         #: called on the server thread after each request joins the inbox: a trainer
         #: waiting at a boundary (not polling each batch) is woken by it
         self.on_request: Callable[[], None] | None = None
-        self._outbox: deque[tuple[ControlRequest, bytes]] = deque()
+        #: the fit a request arriving now belongs to: the one running, or the last one until the
+        #: next begins (the trainer's Control sets it at each fit's start); stamped on each
+        self.fit = 1
+        self._outbox: deque[tuple[ControlRequest, bytes, bool]] = deque()
         # key -> latest attempt's routing envelope
         self._pending: dict[tuple[str, int], list[bytes]] = {}
         # at most this many requests (and bytes of them) wait for the trainer; more are refused
         self._max_queued, self._max_queued_bytes = max_queued, max_queued_bytes
         self._pending_bytes: dict[tuple[str, int], int] = {}
         self._queued_bytes = 0
-        # acks kept for retries: the trainer's answers, and apart from them the refusals (so
-        # refused garbage never pushes out an answer a retry of an applied request needs)
+        # acks kept for retries: the trainer's answers (ok true), and apart from them every
+        # refusal, the trainer's and the server's (so no number of refusals ever pushes out an
+        # answer a retry of an applied request needs); keep_acks of each
         self._acks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._refusals: OrderedDict[tuple[str, int], bytes] = OrderedDict()
-        # each client's highest request the trainer has answered: a retry at or below it whose
-        # ack is no longer kept is a request already applied (a client sends in order)
+        # each client's highest request the trainer has answered, applied ones apart from
+        # refused ones (keep_acks clients each, least recently answered out): a retry at or
+        # below it whose ack is no longer kept was answered already (a client sends in order)
         self._answered: OrderedDict[str, int] = OrderedDict()
+        self._refused: OrderedDict[str, int] = OrderedDict()
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         self._wake_lock = threading.Lock()
@@ -192,7 +218,7 @@ class ControlServer:
     def _answer(self, request: ControlRequest, ok: bool, result: dict, error: str | None) -> None:
         body = encode_reply("ack", client=request.client, req=request.req, op=request.op, ok=ok,
                             result=result, error=error)
-        self._outbox.append((request, body))
+        self._outbox.append((request, body, ok))
         with self._wake_lock:
             try:
                 self._wake.send(b"", zmq.NOBLOCK)
@@ -242,14 +268,15 @@ class ControlServer:
         while wake.poll(0):
             alive = wake.recv() != b"stop" and alive
         while self._outbox:
-            request, body = self._outbox.popleft()
+            request, body, ok = self._outbox.popleft()
             envelope = self._pending.pop(request.key, None)
             self._queued_bytes -= self._pending_bytes.pop(request.key, 0)
-            self._remember(self._acks, request.key, body)
+            self._remember(self._acks if ok else self._refusals, request.key, body)
             client, req = request.key
-            self._answered[client] = max(req, self._answered.pop(client, req))
-            while len(self._answered) > self._keep_acks:
-                self._answered.popitem(last=False)
+            answered = self._answered if ok else self._refused
+            answered[client] = max(req, answered.pop(client, req))
+            while len(answered) > self._keep_acks:
+                answered.popitem(last=False)
             self.stats.acked += 1
             if envelope is not None:
                 router.send_multipart([*envelope, body])
@@ -259,6 +286,10 @@ class ControlServer:
         store[key] = body
         while len(store) > self._keep_acks:
             store.popitem(last=False)
+            if store is self._acks:
+                self.stats.evicted_acks += 1
+            else:
+                self.stats.evicted_refusals += 1
 
     def _refuse_now(self, router: zmq.Socket, envelope: list[bytes], request: ControlRequest,
                     error: str) -> bytes:
@@ -289,7 +320,7 @@ class ControlServer:
             return
         self.stats.received += 1
         request = ControlRequest(body["client"], body["req"], body["op"], body["args"],
-                                 time.time(), self, body.get("wait"))
+                                 time.time(), self, body.get("wait"), self.fit)
         key = request.key
         kept = self._acks.get(key) or self._refusals.get(key)
         if kept is not None:
@@ -300,8 +331,8 @@ class ControlServer:
             self.stats.duplicates += 1
             self._pending[key] = envelope  # the ack goes to the latest attempt
             return
-        answered = self._answered.get(request.client)
-        if answered is not None and request.req <= answered:
+        if request.req <= max(self._answered.get(request.client, -math.inf),
+                              self._refused.get(request.client, -math.inf)):
             self.stats.stale += 1
             self._refuse_now(router, envelope, request, (
                 f"request {request.req} of client {request.client} was answered long ago "

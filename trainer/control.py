@@ -1,7 +1,7 @@
 """The trainer's side of the control path (halts, checkpoint requests, SIGTERM, the rank
 agreement), handed the emitter and the checkpointer and knowing no Trainer. Promise: requests
 are read once per batch, every rank halts and saves at the same batch, and each request is
-answered once.
+answered once, never applied after its lifetime nor in a fit later than the one it arrived in.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ class Control:
         # gets only the latest of each, still knows how many there were
         self.requests_seen = self.saves = 0
         self.given_up = 0  # requests dropped unapplied: their clients had stopped waiting
+        self.outlived = 0  # requests dropped unapplied: they arrived before this fit began
+        self.fit = 0  # the fits begun: the one running, or the last
 
     # ------------------------------------------------------------ per batch
 
@@ -80,7 +82,9 @@ class Control:
                 self.given_up += 1
                 request.refuse(
                     f"{request.op} from {request.client} not applied: its client stopped "
-                    f"waiting {request.wait:g}s after sending it",
+                    f"waiting {request.lifetime:g}s after sending it"
+                    + (" (the lifetime of a request without `wait`)" if request.wait is None
+                       else ""),
                     step=ts.batch,
                 )
                 log.warning(
@@ -89,6 +93,18 @@ class Control:
                     request.op,
                     request.client,
                 )
+                continue
+            # sent to a fit that has ended (or between it and this one): never applied here
+            if request.fit < self.fit:
+                self.outlived += 1
+                request.refuse(
+                    f"{request.op} from {request.client} arrived before fit {self.fit} began "
+                    f"(during or after fit {request.fit}): not applied in a later fit than the "
+                    "one it arrived in; ask again",
+                    step=ts.batch,
+                )
+                log.warning("offloop: %s from %s dropped: it arrived before fit %d began",
+                            request.op, request.client, self.fit)
                 continue
             self.requests_seen += 1
             self._emit(
@@ -201,7 +217,12 @@ class Control:
     # --------------------------------------------------------- fit boundaries
 
     def begin_fit(self) -> None:
+        """A fit begins: requests that arrive from now on are stamped with its number, and
+        those that arrived before it (after the first fit) are refused when read."""
         self.stop = False
+        self.fit += 1
+        if self.server is not None:
+            self.server.fit = self.fit
 
     def end_loop(self, ts: Timestamp) -> None:
         """The loop has ended: a SIGTERM checkpoint still owed is written now. SIGTERM came

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import zmq
+from helpers.control_request import flood
 from helpers.waiting import wait_until
 
 from offloop.bus import ControlClient, ControlServer, ControlTimeout
@@ -476,3 +477,65 @@ def test_a_wait_that_is_not_a_positive_float_is_malformed(wait):
         decode_request(body)
     assert decode_request(encode_request("ctl", client="c", req=1, op="halt", args={"reason": ""},
                                          t=1.0, wait=1.5))["wait"] == 1.5
+
+
+# -------------------- issue 44: refusals kept apart, every request expires --------------------
+
+
+@pytest.mark.guarantee
+def test_the_trainers_refusals_never_push_out_the_ack_a_retry_of_an_applied_request_needs():
+    # issue 44 finding 4: the trainer's own refusals ("given up") were kept among the answers,
+    # and each refused client took a place among the clients whose highest answer is known
+    server = ControlServer(keep_acks=4)
+    server.start()
+    applied, done = [], threading.Event()
+
+    def trainer():  # as trainer/control.py: a request whose client gave up is refused
+        while not done.is_set():
+            for request in server.poll():
+                if request.given_up(time.time()):
+                    request.refuse("its client stopped waiting")
+                else:
+                    applied.append(request.key)
+                    request.ack(order=len(applied))
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=trainer, daemon=True)
+    thread.start()
+    try:
+        once = {"timeout": 10, "retry": 10}
+        with ControlClient(server.endpoint, client_id="c") as client:
+            first = client.request("checkpoint", req=1, **once)
+            assert first.ok and first.result == {"order": 1}
+            replies = flood(server.endpoint, 60, wait=1e-9)  # 60 clients, 15 x the answers kept
+            assert all(not r["ok"] and r["error"] == "its client stopped waiting" for r in replies)
+            assert client.request("checkpoint", req=1, **once) == first  # from memory
+        assert applied == [("c", 1)]
+        assert (server.stats.acked, server.stats.duplicates) == (61, 1)
+        assert server.stats.evicted_refusals == 56 and server.stats.evicted_acks == 0
+    finally:
+        done.set()
+        thread.join(10)
+        server.close()
+
+
+@pytest.mark.guarantee
+def test_a_request_without_wait_lives_the_default_lifetime(server):
+    # issue 44 finding 5: a request that carries no `wait` never expired
+    from offloop.bus.control import DEFAULT_WAIT
+
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    try:
+        dealer.connect(server.endpoint)
+        dealer.send(encode_request("ctl", client="c", req=1, op="halt", args={"reason": ""},
+                                   t=time.time()))
+        wait_until(lambda: server.inbox, 10, "the request to reach the inbox")
+        (request,) = server.poll()
+        assert request.wait is None and request.lifetime == DEFAULT_WAIT == 60.0
+        assert not request.given_up(request.received + DEFAULT_WAIT - 0.01)
+        assert request.given_up(request.received + DEFAULT_WAIT + 0.01)
+    finally:
+        dealer.close()
+        ctx.destroy(linger=0)

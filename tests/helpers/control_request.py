@@ -1,11 +1,16 @@
-"""A control request sent from inside a host trainer's hook, read at that hook's step."""
+"""A control request sent from inside a host trainer's hook, read at that hook's step; a flood
+of raw requests from as many clients."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import msgpack
+import zmq
+
 from offloop.bus import ControlClient
+from offloop.bus.wire import encode_request
 
 
 class RequestFromHook:
@@ -37,3 +42,27 @@ class RequestFromHook:
         self.thread.join(timeout=20)
         assert "ack" in self.reply, "no ack within 20 s"
         return self.reply["ack"]
+
+
+def flood(endpoint: str, count: int, *, window: int = 100, op: str = "halt", **fields) -> list[dict]:
+    """`count` requests from as many clients (`flood-<n>`, req 1 each), `window` at a time
+    on one raw DEALER: each window's answers are read before the next is sent."""
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    replies = []
+    try:
+        dealer.connect(endpoint)
+        for start in range(0, count, window):
+            sent = range(start, min(count, start + window))
+            for n in sent:
+                dealer.send(encode_request("ctl", client=f"flood-{n}", req=1, op=op,
+                                           args={"reason": ""} if op == "halt" else {"tag": ""},
+                                           t=time.time(), **fields))
+            for _ in sent:
+                assert dealer.poll(30_000), "the flood's answers stopped coming"
+                replies.append(msgpack.unpackb(dealer.recv()))
+        return replies
+    finally:
+        dealer.close()
+        ctx.destroy(linger=0)

@@ -4,11 +4,13 @@ and a request whose client has given up is dropped, not applied in a later fit."
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.control_request import flood
 from helpers.trainers import loader, mlp
 from helpers.waiting import wait_until
 from test_trainer_control import gated_run
@@ -88,3 +90,75 @@ def test_a_request_whose_client_gave_up_between_fits_is_dropped_not_applied(tmp_
         trainer.fit(duration="3ep")
         assert trainer.timestamp.epoch == 3 and trainer.stopped_by is None
         assert trainer.controller.given_up == 1
+
+
+def test_thousands_of_given_up_halts_never_make_a_checkpoint_request_written_twice(tmp_path):
+    # issue 44 finding 4: 4 200 halts the trainer refused as "given up" pushed a client's
+    # checkpoint out of the answers kept (4 096): its retry was written a second time
+    trainer = Trainer(mlp(), loader(64, 8), "100000ep", loss_fn=F.cross_entropy,
+                      run_dir=tmp_path / "run")
+    got: dict = {}
+
+    def attack():
+        with ControlClient(trainer.control.endpoint, client_id="owner") as client:
+            try:
+                got["first"] = client.checkpoint("once", timeout=60)
+                got["flood"] = flood(trainer.control.endpoint, 4200, window=200, wait=1e-9)
+                got["retry"] = client.request("checkpoint", {"tag": "once"}, req=got["first"].req,
+                                              timeout=60)
+            finally:
+                got["halt"] = client.halt("done", timeout=60)
+
+    thread = threading.Thread(target=attack, daemon=True)
+    thread.start()
+    trainer.fit()
+    thread.join(60)
+    trainer.close()
+    assert got["first"].ok and got["retry"] == got["first"]
+    assert len(got["flood"]) == 4200 and not any(reply["ok"] for reply in got["flood"])
+    assert trainer.controller.given_up == 4200 and got["halt"].ok
+    written = sorted(p.name for p in Path(got["first"].result["path"]).parent.iterdir())
+    assert written == [Path(got["first"].result["path"]).name]  # written once
+    stats = trainer.control.stats  # 4 200 refusals, 4 096 kept: the first 104 forgotten, no answer
+    assert (stats.evicted_refusals, stats.evicted_acks, stats.duplicates) == (104, 0, 1)
+    print({"case": "given-up flood", "refused": 4200, "evicted_refusals": stats.evicted_refusals,
+           "evicted_acks": stats.evicted_acks, "duplicates": stats.duplicates,
+           "batches": trainer.timestamp.batch})
+
+
+def test_a_halt_that_arrives_between_fits_is_refused_by_the_next_fit_not_applied(tmp_path):
+    # issue 44 finding 5: a halt with no `wait` never expired and stopped a later fit()
+    import msgpack
+    import zmq
+
+    from offloop.bus.wire import encode_request
+
+    with Trainer(mlp(), loader(32, 8), "1ep", loss_fn=F.cross_entropy, run_dir=tmp_path / "run") as trainer:
+        trainer.fit()
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.linger = 0
+        raw.connect(trainer.control.endpoint)
+        raw.send(encode_request("ctl", client="no-wait", req=1, op="halt", args={"reason": "old"},
+                                t=time.time()))  # no `wait`: a client that never gives up
+        out: dict = {}
+
+        def patient():  # a client still waiting when fit 2 begins
+            with ControlClient(trainer.control.endpoint, client_id="patient") as client:
+                out["halt"] = client.halt("between fits", timeout=60)
+
+        thread = threading.Thread(target=patient, daemon=True)
+        thread.start()
+        wait_until(lambda: len(trainer.control.inbox) == 2, 10, "both halts in the inbox")
+        trainer.fit(duration="3ep")
+        assert trainer.timestamp.epoch == 3 and trainer.stopped_by is None
+        assert trainer.controller.outlived == 2 and trainer.controller.given_up == 0
+        thread.join(30)
+        assert raw.poll(10_000)
+        reply = msgpack.unpackb(raw.recv())
+        raw.close()
+        ctx.destroy(linger=0)
+    for ack in (out["halt"], reply):
+        ack = ack if isinstance(ack, dict) else ack.__dict__
+        assert not ack["ok"] and "arrived before fit 2 began" in ack["error"]
+        assert "not applied in a later fit" in ack["error"]
