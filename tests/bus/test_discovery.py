@@ -11,6 +11,7 @@ import time
 
 import pytest
 import zmq
+from helpers.fsyncs import record_fsyncs
 
 from offloop.bus import (
     Publisher,
@@ -124,14 +125,7 @@ def test_a_run_bound_to_every_interface_is_reached_at_the_host_asked():
 
 
 def test_the_run_folder_is_fsynced_after_run_json_gets_its_name(tmp_path, monkeypatch):
-    synced = []
-    real = os.fsync
-
-    def record(fd):
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        return real(fd)
-
-    monkeypatch.setattr(os, "fsync", record)
+    synced = record_fsyncs(monkeypatch)
     write_run_info(tmp_path / "alpha", info())
     assert synced[-1] == str(tmp_path / "alpha")  # the new name itself survives a power cut
     assert synced[0].startswith(str(tmp_path / "alpha" / ".run.json.pid"))  # the bytes first

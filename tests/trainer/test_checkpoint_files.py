@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from helpers.fsyncs import record_fsyncs
 
 from offloop.bus import ControlRequest
 from offloop.bus.discovery import remove_stale_temporaries
@@ -141,14 +142,7 @@ def test_an_exception_chain_that_loops_back_on_itself_is_no_full_disk_and_does_n
 
 @pytest.mark.guarantee
 def test_the_folder_is_fsynced_after_the_checkpoint_gets_its_name(tmp_path, monkeypatch):
-    synced = []
-    real = os.fsync
-
-    def record(fd):
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        return real(fd)
-
-    monkeypatch.setattr(os, "fsync", record)
+    synced = record_fsyncs(monkeypatch)
     path = save_checkpoint(tmp_path / "ckpt" / "a.pt", {"x": torch.ones(2)})
     assert synced[-1] == str(tmp_path / "ckpt") and path.is_file()
     assert any(name.startswith(str(tmp_path / "ckpt" / ".a.pt.pid")) for name in synced[:-1])  # the file first
