@@ -328,7 +328,8 @@ def test_save_best_model_checkpoints_each_improvement_and_keeps_the_best(tmp_pat
     assert filecmp.cmp(save_path, trainer.checkpoints[1], shallow=False)
     assert not filecmp.cmp(trainer.checkpoints[0], trainer.checkpoints[1], shallow=False)
     assert callback.saved_metric == pytest.approx(0.7)
-    assert 2 * BATCHES <= callback.best_checkpoint_step < 5 * BATCHES
+    # after evaluation 2; on a busy machine the request may reach the trainer only at its end
+    assert 2 * BATCHES <= callback.best_checkpoint_step <= 5 * BATCHES
     assert load_checkpoint(save_path)["timestamp"]["batch"] == callback.best_checkpoint_step
     assert (callback.best_metric, callback.best_metric_epoch) == (pytest.approx(0.9), 5)
     assert any("final evaluation" in text for text in log.texts)
