@@ -14,7 +14,7 @@ import time
 
 import zmq
 
-__all__ = ["run_events_proxy"]
+__all__ = ["RevocationCut", "run_events_proxy"]
 
 log = logging.getLogger("offloop.bus")
 
@@ -50,3 +50,25 @@ def _bind_again(sock: zmq.Socket, endpoint: str, attempts: int = 50) -> None:
     log.error("offloop: the events socket could not bind %s again after cutting a revoked key's "
               "connection (%s): no subscriber can reach this run's events from now on",
               endpoint, error)
+
+
+class RevocationCut:
+    """Cuts every events connection once a key has lost its role: `check()` (from the
+    thread that owns `control`) reads the authorised keys again and, after a revocation,
+    sets `cut` and stops the proxy, which rebinds its public socket. Every subscriber
+    reconnects (what it missed meanwhile counts as lost, as any gap); the revoked key's
+    handshake now fails."""
+
+    def __init__(self, access, cut: threading.Event, control: zmq.Socket) -> None:
+        self._access, self._cut, self._control = access, cut, control
+        self._seen = access.revocations
+
+    def check(self) -> bool:
+        """Whether this check cut the connections."""
+        self._access.refresh()
+        if self._access.revocations <= self._seen:
+            return False
+        self._seen = self._access.revocations
+        self._cut.set()
+        self._control.send(b"TERMINATE")  # the proxy returns, rebinds, and runs again
+        return True

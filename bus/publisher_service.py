@@ -12,7 +12,7 @@ import time
 
 import zmq
 
-from offloop.bus.events_proxy import run_events_proxy
+from offloop.bus.events_proxy import RevocationCut, run_events_proxy
 from offloop.bus.held import HeldEvents
 from offloop.bus.interest import Interest
 from offloop.bus.late_join import LateJoin
@@ -44,8 +44,8 @@ class PublisherService:
         self.late_join = LateJoin(encoder, interest, held, outbox.lock, stats, limits, curve,
                                   release_locked, self.track, self.beat)
         self._curve, self._release = curve, release
-        self._revocations_seen = curve.access.revocations if curve is not None else 0
         self._cut = threading.Event()  # the proxy thread's cue to drop every events connection
+        self._revocation: RevocationCut | None = None
         self._threads: list[threading.Thread] = []
 
     def start(self, ctx: zmq.Context, inproc: str, host: str, events_port: int,
@@ -64,6 +64,8 @@ class PublisherService:
         watcher.connect(inproc)
         proxy_ctl, self._proxy_ctl = _pair(ctx, inproc + "-proxy")
         stop, self._stop_ctl = _pair(ctx, inproc + "-stop")
+        if self._curve is not None:
+            self._revocation = RevocationCut(self._curve.access, self._cut, self._proxy_ctl)
         self.outbox.connect(ctx, inproc, queue_size)
         self._threads = [
             threading.Thread(target=run_events_proxy, daemon=True, name="offloop-proxy",
@@ -158,18 +160,9 @@ class PublisherService:
             time.sleep(min(0.1, linger))
 
     def _cut_revoked(self) -> None:
-        """A key that lost its role keeps no events connection: libzmq checks a key only at
-        the handshake and cannot drop one peer of a PUB socket, so the proxy thread unbinds
-        and rebinds the events socket. Every subscriber reconnects at once (what it missed
-        meanwhile is counted as lost, as any gap); the revoked one's handshake now fails."""
-        if self._curve is None:
-            return
-        self._curve.access.refresh()
-        if self._curve.access.revocations > self._revocations_seen:
-            self._revocations_seen = self._curve.access.revocations
+        """A key that lost its role keeps no events connection (events_proxy.RevocationCut)."""
+        if self._revocation is not None and self._revocation.check():
             self.stats.cuts += 1
-            self._cut.set()
-            self._proxy_ctl.send(b"TERMINATE")  # the proxy returns, rebinds, and runs again
 
 
 def _socket(ctx: zmq.Context, kind: int, **options) -> zmq.Socket:

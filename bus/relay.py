@@ -31,7 +31,7 @@ import zmq
 
 from offloop.bus.discovery import RunInfo
 from offloop.bus.errors import WireError
-from offloop.bus.events_proxy import run_events_proxy
+from offloop.bus.events_proxy import RevocationCut, run_events_proxy
 from offloop.bus.security import SecurityError
 from offloop.bus.wire import (
     DEFAULT_LIMITS,
@@ -107,7 +107,7 @@ class Relay:
         self._inproc = f"inproc://offloop-relay-{uuid.uuid4().hex[:12]}"
         self._cut = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._revocations_seen = 0
+        self._revocation: RevocationCut | None = None
 
     # ------------------------------------------------------------ set-up
 
@@ -116,7 +116,6 @@ class Relay:
         ctx = self._ctx
         if self.keys is not None:
             self._auth = self.keys.start_authenticator(ctx)
-            self._revocations_seen = self.keys.access.revocations
         # options before bind/connect: libzmq reads them when it makes each connection's pipe
         front = self._upstream_socket(zmq.XSUB, "events", rcvhwm=self.subscriber_hwm,
                                       maxmsgsize=self.limits.max_message_bytes)
@@ -126,6 +125,8 @@ class Relay:
         proxy_ctl.bind(self._inproc + "-proxy")
         self._proxy_ctl = ctx.socket(zmq.PAIR)
         self._proxy_ctl.connect(self._inproc + "-proxy")
+        if self.keys is not None:
+            self._revocation = RevocationCut(self.keys.access, self._cut, self._proxy_ctl)
 
         names = ["state", "control"] if "control" in self.upstream else ["state"]
         sockets = {name: (self._public_socket(zmq.ROUTER, name,
@@ -302,15 +303,9 @@ class Relay:
                           "relayed_from": self.upstream.get("state", "")}}
 
     def _cut_revoked(self) -> None:
-        """A monitor key revoked at the relay keeps no events connection (see events_proxy)."""
-        if self.keys is None:
-            return
-        self.keys.access.refresh()
-        if self.keys.access.revocations > self._revocations_seen:
-            self._revocations_seen = self.keys.access.revocations
+        """A monitor key revoked at the relay keeps no events connection (RevocationCut)."""
+        if self._revocation is not None and self._revocation.check():
             self.stats.cuts += 1
-            self._cut.set()
-            self._proxy_ctl.send(b"TERMINATE")
 
     # ------------------------------------------------------------ life
 
