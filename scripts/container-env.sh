@@ -55,7 +55,7 @@ flock -w 1800 9 || die "another container-env.sh held $STATE_DIR/lock for 30 min
 
 # --- 1. packages -------------------------------------------------------------------------
 PACKAGES=(podman runc uidmap fuse-overlayfs slirp4netns netavark aardvark-dns iptables
-          mmdebstrap docker-compose prometheus curl)
+          mmdebstrap docker-compose prometheus curl iproute2)
 install_packages() {
   local missing=() p
   for p in "${PACKAGES[@]}"; do
@@ -75,9 +75,37 @@ install_packages() {
 }
 timed "apt step" install_packages
 
+# --- 1b. a static MAC on podman's bridges ------------------------------------------------
+# bookworm's netavark 1.4 leaves a bridge's MAC to the kernel, which takes the lowest MAC
+# of the attached veths: when a container leaves the network the bridge's MAC changes, and
+# the other containers' ARP entries for the gateway (aardvark-dns's address) point at the
+# old one, so DNS is silent for 15-100 s (containers/netavark#833, fixed in 1.9 by a static
+# MAC). This wrapper runs Debian's netavark, then pins every podman bridge's MAC (an
+# address set explicitly is one the kernel no longer recalculates), as netavark 1.9 does.
+HELPERS=$STATE_DIR/helpers
+write_netavark_wrapper() {
+  cat >"$HELPERS/netavark.new" <<'EOF'
+#!/bin/sh
+# written by scripts/container-env.sh: Debian's netavark, then static MACs on its bridges
+/usr/lib/podman/netavark "$@"
+status=$?
+if [ "$status" -eq 0 ]; then
+  for dev in /sys/class/net/podman*; do
+    [ -d "$dev/bridge" ] && [ "$(cat "$dev/addr_assign_type")" != 3 ] \
+      && ip link set dev "${dev##*/}" address "$(cat "$dev/address")" 2>/dev/null
+  done
+fi
+exit "$status"
+EOF
+  chmod 0755 "$HELPERS/netavark.new"
+  mv "$HELPERS/netavark.new" "$HELPERS/netavark"
+}
+mkdir -p "$HELPERS"
+write_netavark_wrapper
+
 # --- 2. configuration --------------------------------------------------------------------
 export CONTAINERS_CONF=$STATE_DIR/containers.conf
-cat >"$CONTAINERS_CONF.new" <<'EOF'
+cat >"$CONTAINERS_CONF.new" <<EOF
 # written by scripts/container-env.sh
 [containers]
 # podman's default (nofile=1048576) exceeds the hard limit and cannot be raised here
@@ -89,10 +117,17 @@ log_driver = "k8s-file"
 runtime = "runc"
 cgroup_manager = "cgroupfs"
 events_logger = "file"
+# step 1b's netavark first; the rest is podman's default search path (its digest here: a
+# change to it is a change of configuration, which restarts the service)
+# netavark wrapper $(sha256sum "$HELPERS/netavark" | cut -c1-16)
+helper_binaries_dir = ["$HELPERS", "/usr/local/libexec/podman", "/usr/local/lib/podman",
+                       "/usr/libexec/podman", "/usr/lib/podman"]
 
 [network]
 network_backend = "netavark"
 EOF
+CONF_CHANGED=""  # then a running service was started under another configuration
+cmp -s "$CONTAINERS_CONF.new" "$CONTAINERS_CONF" || CONF_CHANGED=1
 mv "$CONTAINERS_CONF.new" "$CONTAINERS_CONF"
 
 # storage: native overlay when the kernel allows it here, else fuse-overlayfs, else vfs
@@ -263,7 +298,12 @@ start_service() {
   done
   die "podman system service did not answer on $SOCK within 30s (see $STATE_DIR/service.log)"
 }
-if ! ping_sock; then timed "podman service start" start_service; fi
+if [ -n "$CONF_CHANGED" ] && [ -f "$STATE_DIR/service.pid" ]; then
+  log "containers.conf changed: restarting the service"
+  timed "podman service restart" start_service
+elif ! ping_sock; then
+  timed "podman service start" start_service
+fi
 
 # --- environment for callers -------------------------------------------------------------
 ENV_FILE=$STATE_DIR/env

@@ -82,14 +82,33 @@ def prometheus_query(expr: str) -> list:
         return []
 
 
+def prometheus_targets() -> str:
+    """Prometheus's own view of its targets, for a failure message: health and last error."""
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:9090/api/v1/targets", timeout=5) as response:
+            targets = json.load(response)["data"]["activeTargets"]
+    except OSError as exc:
+        return f"Prometheus unreachable: {exc}"
+    return "; ".join(f"{t['scrapeUrl']} {t['health']} {t['lastError']!r} at {t['lastScrape']}" for t in targets)
+
+
+def wait_for_prometheus(condition, timeout: float, what: str, up: Stack):
+    """wait_until, failing with what Prometheus and the exporter saw."""
+    try:
+        return wait_until(condition, timeout, what, POLL)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\ntargets: {prometheus_targets()}\n"
+                             f"exporter:\n{up.logs('exporter')[-1500:]}") from None
+
+
 def test_compose_up_trains_monitors_halts_exports_and_is_scraped(stack):
     up = stack()
     with HealthDriver(up.containers, up.project):
         up.compose("up", "-d", "--no-build", *SERVICES)
         assert up.exit_code("keys", timeout=60) == 0, up.logs("keys")
         # Prometheus reads the run from the exporter over the compose network
-        scraped = wait_until(lambda: prometheus_query('offloop_step{job="offloop", run="demo"}'), 120,
-                             "Prometheus to scrape offloop_step from the exporter", POLL)
+        scraped = wait_for_prometheus(lambda: prometheus_query('offloop_step{job="offloop", run="demo"}'), 120,
+                                      "Prometheus to scrape offloop_step from the exporter", up)
         assert scraped[0]["metric"]["instance"].startswith("exporter:")
         assert up.exit_code("trainer", timeout=180) == 0, up.logs("trainer")[-3000:]
         for service in ("monitor", "stopper", "exporter"):
@@ -97,8 +116,8 @@ def test_compose_up_trains_monitors_halts_exports_and_is_scraped(stack):
 
     final = up.run_json()["extra"]["progress"]["batch"]
     steps = 'max_over_time(offloop_step{job="offloop", run="demo"}[10m])'
-    wait_until(lambda: any(float(r["value"][1]) == final for r in prometheus_query(steps)), 30,
-               f"the run's last step, {final}, in Prometheus", POLL)
+    wait_for_prometheus(lambda: any(float(r["value"][1]) == final for r in prometheus_query(steps)), 30,
+                        f"the run's last step, {final}, in Prometheus", up)
     trainer = up.logs("trainer")
     assert "eval accuracy" in trainer and "stopped by    EarlyStopper-" in trainer, trainer[-3000:]
     # the stopper service halted the run: its worker is its container's process 1 (await_run
