@@ -3,7 +3,8 @@
 `bus` imports neither `trainer` nor `workers`; both import it.
 """
 
-from offloop.bus.control import Ack, ControlClient, ControlRequest, ControlServer
+from offloop.bus.control import Ack, ControlRequest, ControlServer
+from offloop.bus.control_client import ControlClient
 from offloop.bus.discovery import (
     RunInfo,
     default_runs_root,

@@ -13,7 +13,6 @@ are kept apart from the trainer's answers, so no number of them pushes an answer
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import threading
@@ -26,19 +25,20 @@ from typing import Any
 
 import zmq
 
-from offloop.bus.errors import ControlTimeout, WireError
+from offloop.bus.errors import WireError
+from offloop.bus.request_budget import RequestBudget
 from offloop.bus.wire import (
     DEFAULT_LIMITS,
     Limits,
-    decode_reply,
+    check_request_size,
     decode_request,
     encode_reply,
-    encode_request,
+    request_socket_cap,
     split_envelope,
 )
-from offloop.bus.wire.requests import CONTROL_ARGS, control_refusal
+from offloop.bus.wire.requests import control_refusal
 
-__all__ = ["ControlServer", "ControlClient", "ControlRequest", "Ack", "OPS", "DEFAULT_WAIT"]
+__all__ = ["ControlServer", "ControlRequest", "Ack", "OPS", "DEFAULT_WAIT"]
 
 log = logging.getLogger("offloop.control")
 
@@ -99,7 +99,6 @@ class Ack:
     error: str | None
 
 
-_HARD_CAP = 4  # libzmq drops a connection whose message exceeds this many times the limit
 _RCVHWM = 4  # messages of one connection libzmq buffers for the server thread
 
 
@@ -180,9 +179,9 @@ class ControlServer:
 
     def start(self) -> str:
         router = self._ctx.socket(zmq.ROUTER)
-        # A request over the limit is counted and refused by length, never decoded; one past
-        # _HARD_CAP times the limit is cut off by libzmq before it is even buffered whole.
-        router.maxmsgsize = _HARD_CAP * self.limits.max_body_bytes
+        # A request over the limit is counted and refused by length, never decoded; a larger
+        # one is cut off by libzmq before it is even buffered whole.
+        router.maxmsgsize = request_socket_cap(self.limits)
         # libzmq stops reading a connection once this many of its messages wait for this
         # thread (TCP holds the rest): on a busy machine a flood of large requests from one
         # peer was buffered whole in the trainer; a client sends one request at a time
@@ -228,20 +227,32 @@ class ControlServer:
     # ------------------------------------------------------- server thread
 
     def _serve(self, router: zmq.Socket, wake: zmq.Socket, monitor: zmq.Socket | None) -> None:
+        quiet = zmq.Poller()  # while the requests' budget rests: acks and handshakes only
+        quiet.register(wake, zmq.POLLIN)
+        if monitor is not None:
+            quiet.register(monitor, zmq.POLLIN)
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
-        poller.register(wake, zmq.POLLIN)
-        if monitor is not None:
-            poller.register(monitor, zmq.POLLIN)
+        for sock in (wake, monitor):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
+        budget = RequestBudget()
         try:
             while True:
-                ready = dict(poller.poll())
+                rest = budget.rest()
+                ready = dict(quiet.poll(math.ceil(rest * 1000)) if rest else poller.poll())
                 if wake in ready:
                     if not self._send_acks(router, wake):
                         return
                 if router in ready:
-                    while router.poll(0):
-                        self._receive(router, router.recv_multipart(copy=False))
+                    budget.begin()
+                    for _ in range(budget.round_size):
+                        try:
+                            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._receive(router, frames)
+                    budget.end()
                 if monitor is not None and monitor in ready:
                     self._handshake_failures(monitor)
         finally:
@@ -304,11 +315,11 @@ class ControlServer:
             self.stats.malformed += 1
             return
         envelope, frame = split
-        if len(frame) > self.limits.max_body_bytes:
+        try:
+            check_request_size(len(frame), self.limits)
+        except WireError as exc:
             self.stats.oversized += 1
-            router.send_multipart([*envelope, encode_reply(
-                "error", error=f"request is {len(frame)} bytes, the limit is "
-                               f"{self.limits.max_body_bytes}")])
+            router.send_multipart([*envelope, encode_reply("error", error=str(exc))])
             return
         try:
             body = decode_request(frame, self.limits)
@@ -384,109 +395,3 @@ class ControlServer:
             self._thread = None
         if self._own_context:
             self._ctx.term()
-
-
-class ControlClient:
-    """The Guide's Lazy Pirate: send, wait, and on silence reopen the socket and send again.
-    Between requests the socket stays connected, so a request on a live connection is one
-    send (no TCP and ZMTP handshake each time); `connect()` makes that connection ahead of
-    the first request. One request at a time per client (a lock orders callers)."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self, endpoint: str, *, client_id: str | None = None,
-                 limits: Limits = DEFAULT_LIMITS, context: zmq.Context | None = None,
-                 curve=None) -> None:
-        self.endpoint = endpoint
-        self.client_id = client_id or uuid.uuid4().hex[:12]
-        self.limits = limits
-        self.attempts = 0
-        self._curve = curve  # bus.security.ClientKeys
-        self._own_context = context is None
-        self._ctx = context or zmq.Context()
-        self._sock: zmq.Socket | None = None
-        self._lock = threading.Lock()
-
-    def connect(self) -> ControlClient:
-        """Open the connection now, so the first request does not wait for it."""
-        with self._lock:
-            self._socket()
-        return self
-
-    def request(self, op: str, args: dict[str, Any] | None = None, *, timeout: float = 30.0,
-                retry: float = 0.5, req: int | None = None) -> Ack:
-        """Send until acknowledged; raises ControlTimeout after `timeout` seconds."""
-        req = next(self._ids) if req is None else req
-        # the args each op must carry (a halt's reason, a checkpoint's tag) default to "", so
-        # that what this client sends is always a valid request
-        args = {**{name: "" for name, (_, required) in CONTROL_ARGS.get(op, {}).items()
-                   if required},
-                **(args or {})}
-        body = encode_request("ctl", client=self.client_id, req=req, op=op, args=args,
-                              t=time.time(), wait=float(timeout))
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            while True:
-                sock = self._socket()
-                sock.send(body)
-                self.attempts += 1
-                until = min(deadline, time.monotonic() + retry)
-                while (left := until - time.monotonic()) > 0:
-                    if not sock.poll(math.ceil(left * 1000)):  # whole ms: poll(0.4) would not wait
-                        break
-                    reply = decode_reply(sock.recv(), self.limits)
-                    if reply["k"] == "error":
-                        raise WireError(f"control server refused the message: {reply['error']}")
-                    if (reply["k"] == "ack"
-                            and (reply["client"], reply["req"]) == (self.client_id, req)):
-                        return Ack(reply["client"], reply["req"], reply["op"], reply["ok"],
-                                   reply["result"], reply.get("error"))
-                self._drop()  # silence: the request may be stuck in this socket; a new one
-                if time.monotonic() >= deadline:
-                    raise ControlTimeout(
-                        f"no acknowledgement for {op} from {self.endpoint} within {timeout:g}s "
-                        f"({self.attempts} attempts)"
-                    )
-
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.linger = 0
-            sock.maxmsgsize = self.limits.max_body_bytes
-            if self._curve is not None:
-                self._curve.apply(sock)
-            sock.connect(self.endpoint)
-            self._sock = sock
-        return self._sock
-
-    def _drop(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-
-    def named(self, client_id: str) -> ControlClient:
-        """A client of the same endpoint, keys and context under another id: each callback
-        of a worker process asks under its own name (the trainer's `stopped_by` and acks
-        name it). Closing it leaves the shared context to this client."""
-        return ControlClient(self.endpoint, client_id=client_id, limits=self.limits,
-                             context=self._ctx, curve=self._curve)
-
-    def halt(self, reason: str = "", **kw: Any) -> Ack:
-        return self.request("halt", {"reason": reason}, **kw)
-
-    def checkpoint(self, tag: str = "", **kw: Any) -> Ack:
-        return self.request("checkpoint", {"tag": tag}, **kw)
-
-    def close(self) -> None:
-        """Close the connection; the client's own context (with every socket in it: those of
-        its named() clients too) ends here."""
-        with self._lock:
-            self._drop()
-        if self._own_context:
-            self._ctx.destroy(linger=0)
-
-    def __enter__(self) -> ControlClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

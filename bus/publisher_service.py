@@ -18,7 +18,8 @@ from offloop.bus.interest import Interest
 from offloop.bus.late_join import LateJoin
 from offloop.bus.outbox import Outbox
 from offloop.bus.publisher_stats import PublisherStats
-from offloop.bus.wire import EventEncoder, Limits
+from offloop.bus.request_budget import RequestBudget
+from offloop.bus.wire import EventEncoder, Limits, request_socket_cap
 
 __all__ = ["PublisherService", "STALL_CHECK"]
 
@@ -57,7 +58,7 @@ class PublisherService:
         back = _socket(ctx, zmq.XPUB, sndhwm=subscriber_hwm, linger=0,
                        maxmsgsize=MAX_SUBSCRIPTION_BYTES)  # a longer one is no subscription
         events = self._bind(back, host, events_port)
-        router = _socket(ctx, zmq.ROUTER, maxmsgsize=self.late_join.limits.max_body_bytes,
+        router = _socket(ctx, zmq.ROUTER, maxmsgsize=request_socket_cap(self.late_join.limits),
                          linger=0, rcvhwm=STATE_RCVHWM)
         state = self._bind(router, host, state_port)
         watcher = ctx.socket(zmq.XPUB)
@@ -100,11 +101,19 @@ class PublisherService:
 
     def _run(self, watcher: zmq.Socket, router: zmq.Socket, stop: zmq.Socket) -> None:
         """Serve until `stop` receives the final heartbeats' linger, in seconds."""
-        handlers = {watcher: self.track, router: lambda sock: self.late_join.answer(sock, watcher),
-                    stop: self._final_beats}
-        poller = zmq.Poller()
+        budget = RequestBudget()  # the state socket's share of the CPU
+
+        def answer(sock: zmq.Socket) -> None:
+            budget.begin()
+            self.late_join.answer(sock, watcher)
+            budget.end()
+
+        handlers = {watcher: self.track, router: answer, stop: self._final_beats}
+        poller, quiet = zmq.Poller(), zmq.Poller()  # quiet: while the budget rests
         for sock in handlers:
             poller.register(sock, zmq.POLLIN)
+            if sock is not router:
+                quiet.register(sock, zmq.POLLIN)
         interval = self.outbox.heartbeat_interval
         next_beat = time.monotonic()
         try:
@@ -117,7 +126,8 @@ class PublisherService:
                 wait = max(0.0, next_beat - time.monotonic())
                 if self.held.holding:  # the stall timer
                     wait = min(wait, STALL_CHECK)
-                ready = poller.poll(wait * 1000)
+                rest = budget.rest()
+                ready = quiet.poll(min(wait, rest) * 1000) if rest else poller.poll(wait * 1000)
                 self._tick()
                 for sock, _ in ready:
                     if handlers[sock](sock):

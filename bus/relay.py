@@ -41,6 +41,7 @@ from offloop.bus.wire import (
     decode_reply,
     decode_request,
     encode_reply,
+    request_socket_cap,
     topic_prefix,
 )
 
@@ -130,7 +131,7 @@ class Relay:
 
         names = ["state", "control"] if "control" in self.upstream else ["state"]
         sockets = {name: (self._public_socket(zmq.ROUTER, name,
-                                              maxmsgsize=self.limits.max_body_bytes,
+                                              maxmsgsize=request_socket_cap(self.limits),
                                               rcvhwm=_REQUEST_RCVHWM),
                           self._upstream_socket(zmq.DEALER, name,
                                                 maxmsgsize=self.limits.max_message_bytes))

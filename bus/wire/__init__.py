@@ -16,10 +16,12 @@ from offloop.bus.errors import WireError
 from offloop.bus.wire.bursts import decode_burst, entry_ts
 from offloop.bus.wire.events import EventEncoder, decode_event, encode_heartbeat, event_frames
 from offloop.bus.wire.requests import (
+    check_request_size,
     decode_reply,
     decode_request,
     encode_reply,
     encode_request,
+    request_socket_cap,
     split_envelope,
 )
 from offloop.bus.wire.values import (
@@ -46,6 +48,7 @@ __all__ = [
     "Message",
     "TensorFrame",
     "WireError",
+    "check_request_size",
     "check_size",
     "decode_burst",
     "decode_event",
@@ -56,6 +59,7 @@ __all__ = [
     "encode_request",
     "entry_ts",
     "event_frames",
+    "request_socket_cap",
     "split_envelope",
     "topic_prefix",
 ]

@@ -76,7 +76,10 @@ def _decode_body(frame, schemas: dict, limits: Limits, what: str) -> dict:
     data = _frame_bytes(frame)
     if len(data) > limits.max_body_bytes:
         raise WireError(f"{what} is {len(data)} bytes, the limit is {limits.max_body_bytes}")
-    body = _unpack(data, limits)
+    return _check_body(_unpack(data, limits), schemas, what)
+
+
+def _check_body(body: Any, schemas: dict, what: str) -> dict:
     if isinstance(body, dict):
         check_values(body)  # map keys str, no msgpack timestamp: anywhere in the body
     kind = body.get("k") if isinstance(body, dict) else None
@@ -87,8 +90,30 @@ def _decode_body(frame, schemas: dict, limits: Limits, what: str) -> dict:
 
 
 def decode_request(frame, limits: Limits = DEFAULT_LIMITS) -> dict:
-    """A request body, checked against its kind's schema and `check_request`."""
-    return check_request(_decode_body(frame, REQUEST_SCHEMAS, limits, "request"))
+    """A request body, checked against its kind's schema and `check_request`; refused by
+    its length before any byte is decoded, and by its containers' lengths while decoding,
+    so that no request costs more than decoding `limits.max_request_bytes`."""
+    data = _frame_bytes(frame)
+    check_request_size(len(data), limits)
+    request_limits = Limits(max_container_len=limits.max_request_items)
+    return check_request(_check_body(_unpack(data, request_limits), REQUEST_SCHEMAS, "request"))
+
+
+#: how many times `max_request_bytes` a ROUTER taking requests lets libzmq receive: a request
+#: up to that is refused with an answer naming the limit; a larger one cuts its connection
+REQUEST_TRANSPORT_FACTOR = 4
+
+
+def request_socket_cap(limits: Limits = DEFAULT_LIMITS) -> int:
+    """The maxmsgsize of a socket taking requests: libzmq buffers at most this much of a
+    partial message per connection, and cuts a connection that sends more."""
+    return REQUEST_TRANSPORT_FACTOR * limits.max_request_bytes
+
+
+def check_request_size(size: int, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Refuse (WireError) a request body by its length alone."""
+    if size > limits.max_request_bytes:
+        raise WireError(f"request is {size} bytes, the limit is {limits.max_request_bytes}")
 
 
 def check_request(body: dict) -> dict:

@@ -45,6 +45,11 @@ class Limits:
     max_frames: int = 64
     max_message_bytes: int = 256 << 20
     max_container_len: int = 100_000
+    #: a request (state, info, control) is small: at most this many bytes, so at most as
+    #: many objects, is all its decoding can cost (well under a millisecond)
+    max_request_bytes: int = 16 << 10
+    #: the longest list or map a request may hold (a state_req's topics)
+    max_request_items: int = 1024
 
 DEFAULT_LIMITS = Limits()
 

@@ -265,7 +265,7 @@ def test_refused_garbage_never_pushes_out_the_ack_a_retry_of_an_applied_request_
 
 @pytest.mark.guarantee
 def test_requests_past_the_queue_bound_are_refused_at_once_and_a_later_retry_is_served():
-    server = ControlServer(max_queued=2, max_queued_bytes=1 << 20)
+    server = ControlServer(max_queued=2, max_queued_bytes=10_000)
     server.start()
     try:
         once = {"timeout": 10, "retry": 10}
@@ -281,7 +281,7 @@ def test_requests_past_the_queue_bound_are_refused_at_once_and_a_later_retry_is_
             refused = client.request("halt", {"reason": "c"}, req=1, **once)
             assert not refused.ok and "2 requests" in refused.error and "ask again later" in refused.error
             assert server.stats.overflow == 1
-            big = client.request("halt", {"reason": "x" * (1 << 20)}, req=2, **once)  # past the byte bound
+            big = client.request("halt", {"reason": "x" * 10_000}, req=2, **once)  # past the byte bound
             assert not big.ok and "bytes) waiting" in big.error
             trainer = Trainer(server)  # the queue drains
             for thread in threads:
@@ -317,17 +317,50 @@ def body_of(size: int, client: str = "c", req: int = 1) -> dict:
 
 @pytest.mark.guarantee
 def test_a_request_exactly_at_the_size_limit_is_served_and_one_byte_over_is_refused_by_length():
-    limits = Limits(max_body_bytes=1000)
+    limits = Limits(max_request_bytes=1000)
     server = ControlServer(limits=limits)
     server.start()
     trainer = Trainer(server)
     try:
         with ControlClient(server.endpoint, client_id="c", limits=limits) as client:
             assert client.request("halt", body_of(1000), req=1, timeout=10).ok
+            # the client refuses to send it: a clear error here, not a cut connection there
             with pytest.raises(WireError, match="request is 1001 bytes, the limit is 1000"):
                 client.request("halt", body_of(1001, req=2), req=2, timeout=10)
-        assert server.stats.oversized == 1 and trainer.applied == [("c", 1)]
+        # another client's oversized request is refused by the server by its length
+        reply = _send(server, encode_request("ctl", client="d", req=1, op="halt",
+                                             args=body_of(1001, client="d"), t=0.0, wait=10.0))
+        assert reply["k"] == "error" and reply["error"] == "request is 1001 bytes, the limit is 1000"
+        assert server.stats.oversized == 1 and server.stats.malformed == 0
+        assert trainer.applied == [("c", 1)]
     finally:
+        trainer.stop()
+        server.close()
+
+
+def test_a_request_past_the_transport_cap_cuts_its_connection_and_buffers_no_more_than_the_cap():
+    """libzmq refuses a message longer than the socket's maxmsgsize as it arrives: the
+    connection is closed, nothing of it is queued, and the server goes on."""
+    limits = Limits(max_request_bytes=1000)
+    server = ControlServer(limits=limits)
+    server.start()
+    trainer = Trainer(server)
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.linger = 0
+    events = rogue.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        rogue.connect(server.endpoint)
+        rogue.send(b"x" * (4 * 1000 + 1))
+        assert events.poll(5000), "the server kept the connection of an oversized message"
+        assert server.stats.oversized == server.stats.malformed == 0  # never reached the thread
+        with ControlClient(server.endpoint, client_id="c", limits=limits) as client:
+            assert client.halt(timeout=10).ok
+    finally:
+        rogue.disable_monitor()
+        events.close(linger=0)
+        rogue.close()
+        ctx.term()
         trainer.stop()
         server.close()
 

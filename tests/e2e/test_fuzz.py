@@ -140,7 +140,7 @@ NASTIES = [
     msgpack.packb({1: 2}), msgpack.packb(msgpack.ExtType(1, msgpack.packb([1, "float32", [1]]))),
     msgpack.packb({"v": VERSION, "k": "ctl", "client": "c", "req": 1, "op": "halt",
                    "args": msgpack.ExtType(1, b"\x93\x01\xa7float32\x91\x01")}),
-    msgpack.packb([1] * 100_001), msgpack.packb({"v": VERSION - 1, "k": "ctl"}), b"\x80" * 64,
+    msgpack.packb([1] * 100_001)[:4000], msgpack.packb([1] * 1025), msgpack.packb({"v": VERSION - 1, "k": "ctl"}), b"\x80" * 64,
 ]
 NASTY = st.integers(0, len(NASTIES) - 1).map(NASTIES.__getitem__)  # by index: short reprs
 
@@ -347,7 +347,7 @@ def test_an_oversized_control_message_is_counted_and_refused_before_decoding(
     monkeypatch.setattr(bus_control, "decode_request", counting_decode)
     with training(tmp_path) as (trainer, polled):
         server = trainer.control
-        limit = server.limits.max_body_bytes
+        limit = server.limits.max_request_bytes
         ctx = zmq.Context()
         dealer = ctx.socket(zmq.DEALER)
         dealer.linger = 0

@@ -33,6 +33,8 @@ MAX_BODY = 4 * 1024 * 1024  # frame 0 / request body
 MAX_TENSOR_FRAMES = 64  # tensor frames per message
 MAX_MESSAGE = 256 * 1024 * 1024  # whole message
 MAX_CONTAINER = 100_000  # msgpack array/map length
+MAX_REQUEST = 16 * 1024  # a request body (state, info, control)
+MAX_REQUEST_ITEMS = 1024  # a request's longest array or map
 
 # the dtypes the docs list, with the size of one element of each
 DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
@@ -350,11 +352,22 @@ def _burst(body: bytes, tensors: _Tensors, ck: _Check) -> Verdict:
 # ------------------------------------------------------------------------- requests
 
 
+def _longest(value) -> int:
+    """The length of the longest array or map in `value`."""
+    if type(value) is dict:
+        return max([len(value), *(_longest(v) for v in value.values())])
+    if type(value) is list:
+        return max([len(value), *(_longest(v) for v in value)])
+    return 0
+
+
 def _request(frames, ck: _Check) -> dict:
     frames = [bytes(f) for f in frames]
     ck.need(len(frames) == 1, "request-one-frame", f"a request of {len(frames)} frames")
-    ck.need(len(frames[0]) <= MAX_BODY, "request-size", f"a request of {len(frames[0])} bytes")
+    ck.need(len(frames[0]) <= MAX_REQUEST, "request-size", f"a request of {len(frames[0])} bytes")
     body = _walk(_parse(frames[0], ck, "the request"), ck, None)
+    ck.need(_longest(body) <= MAX_REQUEST_ITEMS, "request-items",
+            f"a request holding {_longest(body)} items in one array or map")
     ck.need(type(body) is dict, "request-shape", "the request is not a map")
     _version(body.get("v"), ck)
     k = body.get("k")

@@ -1,7 +1,9 @@
-"""A local peer attacking a run without keys (issue 24's measurement): into the events
-socket one frame that is no subscription (naming the burst topic) and four 64 MiB
-messages; into the control socket 40 requests of about 4 MiB each, none of them valid.
-argv = events endpoint, control endpoint. Prints what the control socket answered.
+"""A local peer attacking a run without keys (issue 24's measurement, issue 44's limits):
+into the events socket one frame that is no subscription (naming the burst topic) and four
+64 MiB messages; into the control socket 40 requests just under its transport cap (each
+refused by its length: a request is at most 16 KiB), then four of 4 MiB (each past the cap:
+libzmq cuts the connection before buffering it whole). argv = events endpoint, control
+endpoint. Prints what the control socket answered, and how many connections it cut.
 
 It runs in a process of its own: libzmq cuts it off for the oversized messages, and with
 pyzmq 27 the cut-off sender itself may crash."""
@@ -11,24 +13,32 @@ import sys
 
 import zmq
 
-from offloop.bus.wire import decode_reply, encode_request
+from offloop.bus.wire import decode_reply, encode_request, request_socket_cap
 
 events, control = sys.argv[1], sys.argv[2]
 ctx = zmq.Context()
 dealer = ctx.socket(zmq.DEALER)
 dealer.linger = 0
 dealer.connect(control)
-pad = "x" * ((4 << 20) - 4096)
+pad = "x" * (request_socket_cap() - 4096)
 for req in range(40):  # half with a reason that is not a str, half with an op there is not
     args = {"reason": pad.encode()} if req % 2 else {"pad": pad}
     dealer.send(encode_request("ctl", client="attacker", req=req, op="halt" if req % 2 else "nope",
                                args=args, t=0.0))
-answers = {"refused": 0, "applied": 0}
+answers = {"refused": 0, "applied": 0, "cut": 0}
 for _ in range(40):
     if not dealer.poll(10_000):
         break
     reply = decode_reply(dealer.recv())  # an error reply (malformed) or an ack
     answers["applied" if reply["k"] == "ack" and reply["ok"] else "refused"] += 1
+cuts = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+huge = encode_request("ctl", client="attacker", req=99, op="halt", args={"reason": "x" * (4 << 20)},
+                      t=0.0)
+for _ in range(4):
+    dealer.send(huge)
+    if cuts.poll(10_000):
+        cuts.recv_multipart()
+        answers["cut"] += 1
 print(json.dumps(answers), flush=True)
 
 peer = ctx.socket(zmq.XSUB)

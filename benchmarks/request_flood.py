@@ -1,0 +1,217 @@
+"""What a local peer flooding a run's request sockets costs the training (issue 44).
+
+A real Trainer trains an MLP (784-256-256-10, batch 64, synthetic data) in this process
+for the whole measurement; another process floods it, in turn, with each attack below,
+every attack phase between two quiet phases of the same length (interleaved, so a drift of
+the machine's speed hits both alike). Per attack:
+
+  step_rate_ratio   batches/s during the attack over the mean of the quiet phases beside it
+                    (target >= 0.90; beside it, over the spin attack's: what the messages
+                    cost beyond the attacker's own CPU)
+  request_cpu_ms_s  CPU time of the trainer's threads that read requests (offloop-control,
+                    offloop-publisher) and of libzmq's I/O threads, ms per second of attack
+  rss_growth_mib    the trainer process's peak RSS during the attack over its RSS before
+                    the first attack (target < 64)
+  max_beat_gap_s    the longest silence between two heartbeats the attacker's own SUB
+                    socket heard during the attack (target <= 2; the interval is 0.5 s)
+  sent, answered    messages the attacker sent and replies it got (each one refused)
+  attacker_cores    the attacker process's CPU time over the attack's length (its libzmq
+                    I/O thread writing counts): how much of the machine the attack itself took
+
+Attacks (8 connections each, sending as fast as libzmq takes them):
+  spin                the same attacker process, heartbeats heard, nothing sent: the floor,
+                      what an attacker costs by taking one of the two cores (the trainer
+                      runs torch on one thread, so the cores are the training thread's and
+                      the attacker's; the trainer's other threads share them)
+  control_cheap       64-byte bodies that are not msgpack, to the control socket
+  control_wide        16 KiB bodies of 16 000 small objects, well-formed msgpack, no valid
+                      request (the costliest body a request may be)
+  control_oversized   60 KiB bodies, refused by their length
+  control_huge        4 MiB bodies: past the transport cap, each cuts its connection
+  state_wide          the wide bodies, to the state socket
+
+What it does not show: an attacker with CURVE keys (a handshake per connection; the same
+budget then applies after it), a GPU run, several attackers on several hosts.
+
+Run: python benchmarks/request_flood.py [--phase S] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+ATTACKS = ("spin", "control_cheap", "control_wide", "control_oversized", "control_huge", "state_wide")
+
+ATTACKER = r'''
+import json, sys, time
+import msgpack, zmq
+kind, endpoint, events, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+body = {"spin": None, "control_cheap": b"\xc1" * 64,
+        "control_wide": msgpack.packb({"v": 2, "k": "ctl", "x": [[0] * 1000] * 16}),
+        "control_oversized": b"\xc1" * (60 << 10),
+        "control_huge": b"\xc1" * (4 << 20),
+        "state_wide": msgpack.packb({"v": 2, "k": "state_req", "topics": None,
+                                     "x": [[0] * 1000] * 16})}[kind]
+ctx = zmq.Context()
+beats = ctx.socket(zmq.SUB)
+beats.setsockopt(zmq.SUBSCRIBE, b"_hb\0")
+beats.connect(events)
+dealers = []
+for _ in range(8):
+    d = ctx.socket(zmq.DEALER)
+    d.linger = 0
+    d.sndhwm = 64
+    d.connect(endpoint)
+    dealers.append(d)
+time.sleep(0.5)
+while beats.poll(0):
+    beats.recv_multipart()
+sent = answered = 0
+last_beat, gap = time.monotonic(), 0.0
+end = time.monotonic() + seconds
+while (now := time.monotonic()) < end:
+    for d in dealers if body is not None else ():
+        try:
+            d.send(body, zmq.NOBLOCK)
+            sent += 1
+        except zmq.Again:
+            pass
+        while d.poll(0):
+            d.recv_multipart()
+            answered += 1
+    while beats.poll(0):
+        beats.recv_multipart()
+        gap, last_beat = max(gap, now - last_beat), now
+    if kind == "control_huge":
+        time.sleep(0.01)  # each send waits for a reconnection anyway
+gap = max(gap, time.monotonic() - last_beat)
+print(json.dumps({"sent": sent, "answered": answered, "max_beat_gap_s": round(gap, 2),
+                  "attacker_cores": round(time.process_time() / seconds, 2)}))
+'''
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads, summed by the name groups reported."""
+    groups = {"request": 0.0, "zmq_io": 0.0}
+    tick = os.sysconf("SC_CLK_TCK")
+    # Python 3.11 names no OS thread: the request threads are found by their native ids
+    requests = {t.native_id for t in threading.enumerate()
+                if t.name in ("offloop-control", "offloop-publisher")}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            comm = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        seconds = (int(fields[11]) + int(fields[12])) / tick
+        if int(task.name) in requests:
+            groups["request"] += seconds
+        elif comm.startswith("ZMQbg/IO"):
+            groups["zmq_io"] += seconds
+    return groups
+
+
+def rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phase", type=float, default=4.0, help="seconds per phase")
+    parser.add_argument("--rounds", type=int, default=2, help="times each attack is run")
+    args = parser.parse_args()
+    from offloop.bus import find_run
+    from offloop.trainer import Trainer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x, y = torch.randn(4096, 784), torch.randint(0, 10, (4096,))
+    model = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    folder = Path(tempfile.mkdtemp(prefix="offloop-flood-"))
+    trainer = Trainer(model, DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True), "100000ep",
+                      loss_fn=F.cross_entropy, run_dir=folder / "run")
+    fit = threading.Thread(target=trainer.fit, daemon=True)
+    fit.start()
+    while trainer.timestamp.batch < 50:
+        time.sleep(0.05)
+    endpoints = find_run(str(folder / "run")).endpoints
+    baseline_rss, results = rss(), {}
+
+    def phase(attack: str | None) -> dict:
+        start_batch, peak, cpu = trainer.timestamp.batch, rss(), thread_cpu()
+        started = time.monotonic()
+        child = None
+        if attack is not None:
+            target = endpoints["state" if attack.startswith("state") else "control"]
+            child = subprocess.Popen([sys.executable, "-c", ATTACKER, attack, target, endpoints["events"],
+                                      str(args.phase)], stdout=subprocess.PIPE, text=True)
+        while time.monotonic() - started < args.phase:
+            peak = max(peak, rss())
+            time.sleep(0.05)
+        took = time.monotonic() - started
+        rate = (trainer.timestamp.batch - start_batch) / took
+        out = {"rate": rate, "peak": peak,
+               **{f"{k}_cpu_ms_s": round(1000 * (v - cpu[k]) / took, 1) for k, v in thread_cpu().items()}}
+        if child is not None:
+            out.update(json.loads(child.communicate(timeout=120)[0].strip().splitlines()[-1]))
+        return out
+
+    for _ in range(args.rounds):
+        for attack in ATTACKS:
+            before, during, after = phase(None), phase(attack), phase(None)
+            quiet = (before["rate"] + after["rate"]) / 2
+            row = results.setdefault(attack, {"step_rate_ratio": [], "rss_growth_mib": [],
+                                              "max_beat_gap_s": [], "sent": 0, "answered": 0,
+                                              "rates": [], "request_cpu_ms_s": [], "zmq_io_cpu_ms_s": []})
+            row["step_rate_ratio"].append(round(during["rate"] / quiet, 3))
+            row["rates"].append(during["rate"])
+            row["request_cpu_ms_s"].append(during["request_cpu_ms_s"])
+            row["zmq_io_cpu_ms_s"].append(during["zmq_io_cpu_ms_s"])
+            row.setdefault("attacker_cores", []).append(during["attacker_cores"])
+            row["rss_growth_mib"].append(round((during["peak"] - baseline_rss) / 2**20, 1))
+            row["max_beat_gap_s"].append(during["max_beat_gap_s"])
+            row["sent"] += during["sent"]
+            row["answered"] += during["answered"]
+            print(json.dumps({"attack": attack, "quiet_batches_per_s": round(quiet, 1),
+                              "attacked_batches_per_s": round(during["rate"], 1), **{
+                                  k: v for k, v in during.items() if k not in ("rate", "peak")}}),
+                  flush=True)
+    trainer.controller.stop = True
+    fit.join(60)
+    stats = trainer.control.stats
+    summary = {"case": "request_flood", "pid": os.getpid(), "phase_s": args.phase, "rounds": args.rounds}
+    spin = statistics.fmean(results["spin"]["rates"])
+    for attack, row in results.items():
+        summary[attack] = {"step_rate_ratio_mean": round(statistics.fmean(row["step_rate_ratio"]), 3),
+                           "over_spin": round(statistics.fmean(row["rates"]) / spin, 3),
+                           "request_cpu_ms_s": max(row["request_cpu_ms_s"]),
+                           "zmq_io_cpu_ms_s": max(row["zmq_io_cpu_ms_s"]),
+                           "attacker_cores": max(row["attacker_cores"]),
+                           "step_rate_ratio_min": min(row["step_rate_ratio"]),
+                           "rss_growth_mib_max": max(row["rss_growth_mib"]),
+                           "max_beat_gap_s": max(row["max_beat_gap_s"]),
+                           "sent": row["sent"], "answered": row["answered"]}
+    summary["control_stats"] = {k: getattr(stats, k) for k in ("malformed", "oversized", "received")}
+    trainer.close()
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
