@@ -2,22 +2,25 @@
 
 The threads that read requests (the control server's, the publisher's service thread)
 share the GIL with the training thread, so a flood of requests, however cheap each one is
-to refuse, slows training while they are kept busy. A `RequestBudget` bounds them: after a
-round of at most `round_size` requests that took `busy` seconds of the thread's CPU, the
-socket is not read again until `busy / share` seconds have passed since the round began.
-Meanwhile libzmq stops reading a flooding connection once its receive queue is full, and
-TCP holds the rest in the sender. A ROUTER takes its messages from its peers in turn, so a
-round holds at most one peer's share of them.
+to refuse, slows training while they are kept busy. A `RequestBudget` is a token bucket of
+CPU time: it fills at `share` seconds a second up to `burst`, and each round of at most
+`round_size` requests takes the thread CPU time it cost. While it is empty the socket is
+not read; meanwhile libzmq stops reading a flooding connection once its receive queue is
+full, and TCP holds the rest in the sender. A request after a quiet spell is read at once
+(the bucket is full); a flood gets `share` of a core on average. A ROUTER takes its
+messages from its peers in turn, so a round holds at most one peer's share of them.
 """
 
 from __future__ import annotations
 
 import time
 
-__all__ = ["RequestBudget", "REQUEST_SHARE", "REQUEST_ROUND"]
+__all__ = ["RequestBudget", "REQUEST_BURST", "REQUEST_ROUND", "REQUEST_SHARE"]
 
-#: the share of one core the request threads may take from the run, each
+#: the share of one core the request threads may take from the run, each, on average
 REQUEST_SHARE = 0.05
+#: seconds of CPU a thread may spend at once after a quiet spell (a burst of requests)
+REQUEST_BURST = 0.005
 #: requests read in one round
 REQUEST_ROUND = 16
 
@@ -25,20 +28,27 @@ REQUEST_ROUND = 16
 class RequestBudget:
     """When a request socket may be read again; used by one thread."""
 
-    def __init__(self, share: float = REQUEST_SHARE, round_size: int = REQUEST_ROUND) -> None:
+    def __init__(self, share: float = REQUEST_SHARE, round_size: int = REQUEST_ROUND,
+                 burst: float = REQUEST_BURST) -> None:
         if not 0 < share <= 1:
             raise ValueError(f"RequestBudget: share must be in (0, 1], got {share!r}")
-        self.share, self.round_size = share, round_size
-        self._resume = 0.0  # time.monotonic() at which the socket may be read again
-        self._began = self._cpu = 0.0
+        self.share, self.round_size, self.burst = share, round_size, burst
+        self._credit, self._at = burst, time.monotonic()  # seconds of CPU left, and when
+        self._cpu = 0.0
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self._credit = min(self.burst, self._credit + (now - self._at) * self.share)
+        self._at = now
 
     def rest(self) -> float:
         """Seconds until the next round may begin (0: now)."""
-        return max(0.0, self._resume - time.monotonic())
+        self._refill()
+        return 0.0 if self._credit >= 0 else -self._credit / self.share
 
     def begin(self) -> None:
-        self._began, self._cpu = time.monotonic(), time.thread_time()
+        self._cpu = time.thread_time()
 
     def end(self) -> None:
-        busy = time.thread_time() - self._cpu
-        self._resume = self._began + busy / self.share
+        self._refill()
+        self._credit -= time.thread_time() - self._cpu
