@@ -239,20 +239,18 @@ class ControlServer:
         budget = RequestBudget()
         try:
             while True:
-                rest = budget.rest()
-                ready = dict(quiet.poll(math.ceil(rest * 1000)) if rest else poller.poll())
+                ready = dict(budget.poll(poller, quiet))
                 if wake in ready:
                     if not self._send_acks(router, wake):
                         return
                 if router in ready:
-                    budget.begin()
-                    for _ in range(budget.round_size):
-                        try:
-                            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._receive(router, frames)
-                    budget.end()
+                    with budget.round():
+                        for _ in range(budget.round_size):
+                            try:
+                                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                            except zmq.Again:
+                                break
+                            self._receive(router, frames)
                 if monitor is not None and monitor in ready:
                     self._handshake_failures(monitor)
         finally:

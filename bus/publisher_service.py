@@ -104,9 +104,8 @@ class PublisherService:
         budget = RequestBudget()  # the state socket's share of the CPU
 
         def answer(sock: zmq.Socket) -> None:
-            budget.begin()
-            self.late_join.answer(sock, watcher)
-            budget.end()
+            with budget.round():
+                self.late_join.answer(sock, watcher)
 
         handlers = {watcher: self.track, router: answer, stop: self._final_beats}
         poller, quiet = zmq.Poller(), zmq.Poller()  # quiet: while the budget rests
@@ -126,8 +125,7 @@ class PublisherService:
                 wait = max(0.0, next_beat - time.monotonic())
                 if self.held.holding:  # the stall timer
                     wait = min(wait, STALL_CHECK)
-                rest = budget.rest()
-                ready = quiet.poll(min(wait, rest) * 1000) if rest else poller.poll(wait * 1000)
+                ready = budget.poll(poller, quiet, wait)
                 self._tick()
                 for sock, _ in ready:
                     if handlers[sock](sock):

@@ -13,7 +13,12 @@ messages from its peers in turn, so a round holds at most one peer's share of th
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import zmq
 
 __all__ = ["RequestBudget", "REQUEST_BURST", "REQUEST_ROUND", "REQUEST_SHARE"]
 
@@ -34,7 +39,6 @@ class RequestBudget:
             raise ValueError(f"RequestBudget: share must be in (0, 1], got {share!r}")
         self.share, self.round_size, self.burst = share, round_size, burst
         self._credit, self._at = burst, time.monotonic()  # seconds of CPU left, and when
-        self._cpu = 0.0
 
     def _refill(self) -> None:
         now = time.monotonic()
@@ -46,9 +50,20 @@ class RequestBudget:
         self._refill()
         return 0.0 if self._credit >= 0 else -self._credit / self.share
 
-    def begin(self) -> None:
-        self._cpu = time.thread_time()
+    def poll(self, everything: zmq.Poller, quiet: zmq.Poller, timeout: float | None = None) -> list:
+        """`everything.poll` when a round may begin; else `quiet.poll` (the same sockets
+        but the request socket) until one may. `timeout` in seconds, None: no limit."""
+        rest = self.rest()
+        if not rest:
+            return everything.poll(None if timeout is None else math.ceil(timeout * 1000))
+        return quiet.poll(math.ceil(1000 * (rest if timeout is None else min(rest, timeout))))
 
-    def end(self) -> None:
-        self._refill()
-        self._credit -= time.thread_time() - self._cpu
+    @contextmanager
+    def round(self) -> Iterator[None]:
+        """A round of requests: the thread CPU time it takes comes out of the bucket."""
+        cpu = time.thread_time()
+        try:
+            yield
+        finally:
+            self._refill()
+            self._credit -= time.thread_time() - cpu
