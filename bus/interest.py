@@ -13,7 +13,7 @@ import threading
 
 from offloop.bus.events import RUN_TOPICS
 from offloop.bus.publisher_stats import PublisherStats
-from offloop.bus.wire import BURST_PREFIX, HEARTBEAT_TOPIC, WireError, topic_prefix
+from offloop.bus.wire import BURST_PREFIX, HEARTBEAT_TOPIC, MAX_TOPIC_BYTES, WireError, topic_prefix
 
 __all__ = ["Interest", "MAX_OPEN_PREFIXES", "check_topic"]
 
@@ -112,12 +112,13 @@ class Interest:
 def check_topic(topic: str) -> None:
     """Raise WireError for a topic the wire reserves or cannot carry."""
     if not _valid_topic(topic):
-        raise WireError(f"topic {topic!r} is empty, contains NUL or starts with '_' (reserved)")
+        raise WireError(f"topic {topic[:64]!r} is empty, contains NUL, starts with '_' "
+                        f"(reserved) or is over {MAX_TOPIC_BYTES} bytes long")
 
 
 def _valid_topic(topic: str) -> bool:
     return (isinstance(topic, str) and bool(topic) and "\0" not in topic
-            and not topic.startswith("_"))
+            and not topic.startswith("_") and len(topic.encode(errors="replace")) <= MAX_TOPIC_BYTES)
 
 
 def _topics_for(subscriptions) -> frozenset[str]:

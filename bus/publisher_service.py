@@ -19,15 +19,12 @@ from offloop.bus.late_join import LateJoin
 from offloop.bus.outbox import Outbox
 from offloop.bus.publisher_stats import PublisherStats
 from offloop.bus.request_budget import RequestBudget
-from offloop.bus.wire import EventEncoder, Limits, request_socket_cap
+from offloop.bus.wire import MAX_SUBSCRIPTION_BYTES, EventEncoder, Limits, request_socket_cap
 
 __all__ = ["PublisherService", "STALL_CHECK"]
 
 #: seconds: held events older than this (and the hold interval) leave from the service thread
 STALL_CHECK = 0.05
-#: the largest message a peer may send into the events socket: (un)subscriptions are a
-#: byte and a topic prefix; anything longer is not one
-MAX_SUBSCRIPTION_BYTES = 4096
 #: requests of one connection libzmq reads ahead for the state socket: a client asks one at
 #: a time, and a flood of large ones waits in TCP (the sender's memory), not in ours
 STATE_RCVHWM = 4

@@ -36,6 +36,7 @@ from offloop.bus.security import SecurityError
 from offloop.bus.wire import (
     DEFAULT_LIMITS,
     HEARTBEAT_TOPIC,
+    MAX_SUBSCRIPTION_BYTES,
     Limits,
     decode_event,
     decode_reply,
@@ -49,8 +50,6 @@ __all__ = ["Relay", "RelayStats"]
 
 log = logging.getLogger("offloop.relay")
 
-#: a peer of the public events socket sends only subscriptions (topic prefixes)
-_MAX_SUBSCRIPTION_BYTES = 4096
 #: requests from one connection libzmq queues for the relay's thread (TCP holds the rest)
 _REQUEST_RCVHWM = 16
 
@@ -121,7 +120,7 @@ class Relay:
         front = self._upstream_socket(zmq.XSUB, "events", rcvhwm=self.subscriber_hwm,
                                       maxmsgsize=self.limits.max_message_bytes)
         back = self._public_socket(zmq.XPUB, "events", sndhwm=self.subscriber_hwm,
-                                   maxmsgsize=_MAX_SUBSCRIPTION_BYTES)
+                                   maxmsgsize=MAX_SUBSCRIPTION_BYTES)
         proxy_ctl = ctx.socket(zmq.PAIR)
         proxy_ctl.bind(self._inproc + "-proxy")
         self._proxy_ctl = ctx.socket(zmq.PAIR)

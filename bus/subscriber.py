@@ -83,6 +83,8 @@ class Subscriber:
     ) -> None:
         self.events_endpoint, self.state_endpoint = events, state
         self.topics = None if topics is None else frozenset(str(t) for t in topics)
+        for topic in self.topics or ():
+            topic_prefix(topic)  # a topic the wire cannot carry is named now, not at connect()
         self.heartbeat_timeout = heartbeat_timeout
         # seconds of silence before recv() raises PublisherSilent; between the heartbeat
         # timeout and this, the publisher counts as cut off (`silent_since`) and is waited for

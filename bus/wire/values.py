@@ -18,6 +18,14 @@ VERSION = 2
 HEARTBEAT_TOPIC = "_hb"
 BURST_TOPIC = "_burst"
 BURST_PREFIX = b"_burst\0"
+#: the longest topic, in UTF-8 bytes: a subscription names at most one topic, and each
+#: byte of a prefix costs memory in every socket's subscription trie
+MAX_TOPIC_BYTES = 255
+#: the longest frame a peer may send into an events socket (its ZMQ_MAXMSGSIZE; libzmq
+#: cuts the connection of a longer one): a subscription is a prefix of at most one topic
+#: and its NUL after b"\x09SUBSCRIBE", but the limit applies to the handshake too (CURVE's
+#: INITIATE carries a routing id of up to 255 bytes) and to CURVE's encrypted frames
+MAX_SUBSCRIPTION_BYTES = 1024
 TENSOR_EXT = 1
 
 #: Bytes per element of every dtype a tensor frame may carry.
@@ -58,7 +66,11 @@ def topic_prefix(topic: str) -> bytes:
     """The bytes a SUB socket subscribes to for exactly this topic."""
     if "\0" in topic or not topic:
         raise WireError(f"topic {topic!r} is empty or contains NUL")
-    return topic.encode() + b"\0"
+    encoded = topic.encode()
+    if len(encoded) > MAX_TOPIC_BYTES:
+        raise WireError(f"topic {topic[:40]!r}... is {len(encoded)} bytes long, over "
+                        f"{MAX_TOPIC_BYTES}")
+    return encoded + b"\0"
 
 
 # --------------------------------------------------------------------- tensors

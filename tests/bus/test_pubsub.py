@@ -754,3 +754,69 @@ def test_a_flood_of_padded_state_requests_is_held_a_few_a_connection_not_all_in_
     assert sent >= 40, "the publisher stopped reading its state socket"
     assert answers == sent
     assert grown < 64 << 20, f"the publisher grew by {grown / 2**20:.0f} MiB"
+
+
+def _receive_one(sub, publisher, topic="batch_end", timeout=10.0):
+    """Publish `topic` until `sub` receives it (its subscription reaches the socket first)."""
+    deadline, step = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline:
+        step += 1
+        publisher.publish(topic, (0, step, step, step, 0), {"i": step})
+        msg = sub.recv(timeout=0.05)
+        if msg is not None and msg.topic == topic:
+            return msg
+    raise AssertionError(f"no {topic} within {timeout}s")
+
+
+def test_subscriptions_longer_than_any_topic_cut_their_sender_and_cost_the_publisher_nothing(spawn):
+    # issue 44: 1,500 prefixes of 4,000 bytes (6 MB sent) took the trainer from 23 to
+    # 1,058 MiB (1,035 here), every byte of each filed in libzmq's subscription tries;
+    # a frame past MAX_SUBSCRIPTION_BYTES now cuts its sender's connection in libzmq
+    from offloop.bus.wire import MAX_SUBSCRIPTION_BYTES
+
+    child = spawn("streaming_publisher", 60)
+    endpoints = child.line()
+    assert child.line()["published"] == 100
+    pid = child.popen.pid
+    before = _memory(pid)["VmRSS"]
+    ctx = zmq.Context()
+    flood = ctx.socket(zmq.SUB)
+    flood.sndhwm = 0  # all 1 500 leave, each time it connects (libzmq sends them again)
+    flood.linger = 0
+    try:
+        with Subscriber(endpoints["events"], topics=["batch_end"]) as good:
+            good.connect()
+            deadline = time.monotonic() + 10
+            while good.recv(timeout=0.1) is None:
+                assert time.monotonic() < deadline, "no batch_end before the flood"
+            flood.connect(endpoints["events"])
+            for i in range(1500):
+                flood.subscribe(b"%06d" % i + b"x" * 3994)
+            received, deadline = 0, time.monotonic() + 3  # the flood reconnects meanwhile
+            while time.monotonic() < deadline:
+                received += good.recv(timeout=0.05) is not None
+            grown = _memory(pid)["VmHWM"] - before
+            gaps = good.stats.gaps
+    finally:
+        flood.close()
+        ctx.term()
+    report("long_subscriptions", peak_growth_mib=round(grown / 2**20, 1), received=received,
+           gaps=gaps, max_subscription_bytes=MAX_SUBSCRIPTION_BYTES)
+    assert grown < 16 << 20, f"the publisher grew by {grown / 2**20:.0f} MiB"
+    assert received > 100 and gaps == 0, "the flood cost the other subscriber its events"
+
+
+def test_a_topic_longer_than_the_wire_carries_is_refused_by_name(publisher):
+    from offloop.bus.wire import MAX_TOPIC_BYTES
+
+    with pytest.raises(WireError, match=f"over {MAX_TOPIC_BYTES}"):
+        Subscriber(publisher.endpoints["events"], topics=["t" * (MAX_TOPIC_BYTES + 1)])
+    longest = "t" * MAX_TOPIC_BYTES
+    with Subscriber(publisher.endpoints["events"], topics=[longest]) as sub:
+        sub.connect()
+        assert _receive_one(sub, publisher, topic=longest).topic == longest
+    with Subscriber(publisher.endpoints["events"]) as every:  # bursts: every topic is opened
+        every.connect()
+        _receive_one(every, publisher)
+        with pytest.raises(WireError, match=f"over {MAX_TOPIC_BYTES} bytes"):
+            publisher.publish("u" * (MAX_TOPIC_BYTES + 1), (0, 1, 1, 1, 0), {})

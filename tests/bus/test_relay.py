@@ -283,3 +283,24 @@ def test_the_relay_exits_once_the_run_has_finished_and_marks_its_announcement(tm
             relay.wait(timeout=30)
             assert relay.returncode == 0
         assert read_run_info(tmp_path / "announced" / "relayed").finished
+
+
+def test_with_keys_the_longest_topic_is_subscribed_through_the_relay(tmp_path, keys):
+    # the events sockets cut a frame past MAX_SUBSCRIPTION_BYTES: CURVE's handshake and
+    # its encrypted subscription frames, the longest topic's included, must fit under it
+    from offloop.bus.wire import MAX_TOPIC_BYTES
+
+    longest = "t" * MAX_TOPIC_BYTES
+    with a_run(tmp_path, keys=keys) as (pub, _, run_dir):
+        info = read_run_info(run_dir)
+        server = load_server_keys(keys)
+        with Relay(info, keys=server, upstream=load_client_keys(keys, "relay", info.curve_public)) as relay:
+            watcher = load_client_keys(keys, "watcher", server.public.decode())
+            with Subscriber(relay.endpoints["events"], topics=[longest], curve=watcher) as sub:
+                sub.connect()
+
+                def served() -> bool:
+                    pub.publish(longest, (0, 1, 1, 1, 0), {"i": 1})
+                    return sub.recv(timeout=0.05) is not None
+
+                wait_until(served, 10, "the longest topic through the relay, with keys")
