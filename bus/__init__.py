@@ -34,7 +34,7 @@ from offloop.bus.events import (
     Event,
     Topic,
 )
-from offloop.bus.publisher import DEFAULT_RETAINED, Publisher
+from offloop.bus.publisher import DEFAULT_RETAINED, REFUSAL_KINDS, Publisher
 from offloop.bus.subscriber import JoinState, Subscriber
 from offloop.bus.timestamp import Timestamp
 from offloop.bus.wire import Limits, Message, TensorFrame
@@ -59,6 +59,7 @@ __all__ = [
     "Limits",
     "Message",
     "Publisher",
+    "REFUSAL_KINDS",
     "PublisherSilent",
     "RUN_TOPICS",
     "ReadOnlyError",

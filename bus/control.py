@@ -177,6 +177,13 @@ class ControlServer:
         self._thread: threading.Thread | None = None
         self._curve = curve  # bus.security.ServerKeys: only authorised client keys get through
 
+    def refusals(self) -> dict[str, int]:
+        """What this server refused from peers, by kind (`Publisher.count_refusals`)."""
+        stats = self.stats
+        return {"control_malformed": stats.malformed, "control_oversized": stats.oversized,
+                "control_unauthorized": stats.unauthorized, "control_refused": stats.refused,
+                "control_overflow": stats.overflow, "control_stale": stats.stale}
+
     def start(self) -> str:
         router = self._ctx.socket(zmq.ROUTER)
         # A request over the limit is counted and refused by length, never decoded; a larger

@@ -109,12 +109,13 @@ class Outbox:
                 sent = self.send(frames) and sent
         return sent
 
-    def beat(self, seq: int, tseq: dict[str, int], beats: int, final: bool = False) -> None:
+    def beat(self, seq: int, tseq: dict[str, int], beats: int, final: bool = False,
+             refused: dict[str, int] | None = None) -> None:
         """One heartbeat down the events' own pipe: it leaves behind every event numbered
         before it, so no subscriber sees it overtake events it announces."""
         encoder = self.encoder
         beat = encode_heartbeat(encoder.run, encoder.pub, encoder.rank, seq, dict(tseq),
-                                self.stats.drops, self.heartbeat_interval, beats, final)
+                                self.stats.drops, self.heartbeat_interval, beats, final, refused)
         try:
             self._sock.send(beat, zmq.NOBLOCK)
         except zmq.Again:  # the queue is full of events: the next heartbeat says it all

@@ -53,6 +53,13 @@ DEFAULT_RETAINED = frozenset({
 })
 
 
+#: every kind of refusal a run's heartbeats may count (Publisher.refusals): the control
+#: server's, the state socket's, the events socket's
+REFUSAL_KINDS = ("control_malformed", "control_oversized", "control_unauthorized",
+                 "control_refused", "control_overflow", "control_stale", "state_malformed",
+                 "state_unauthorized", "events_foreign")
+
+
 class Publisher:
     """Publishes event snapshots for one run and rank; see the module docstring."""
 
@@ -92,10 +99,11 @@ class Publisher:
         self._append = self.held.appender(self.interest)  # the one way an event is held
         self.outbox = Outbox(EventEncoder(run_id, self.publisher_id, rank), limits, self.stats,
                              max_queued_bytes, heartbeat_interval)
+        self._refusal_sources: list[Callable[[], dict[str, int]]] = []
         self._service = PublisherService(
             interest=self.interest, held=self.held, outbox=self.outbox, stats=self.stats,
             encoder=EventEncoder(run_id, self.publisher_id, rank), limits=limits, curve=curve,
-            release=self.release, release_locked=self._release_locked)
+            release=self.release, release_locked=self._release_locked, refusals=self.refusals)
         self.late_join = self._service.late_join
         self._own_context = context is None
         self._ctx = context or zmq.Context()
@@ -125,6 +133,22 @@ class Publisher:
         self.outbox.close()
         if self._own_context:
             self._ctx.term()
+
+    def count_refusals(self, source: Callable[[], dict[str, int]]) -> None:
+        """Add what `source()` counts (kind -> refused so far; the control server's
+        `refusals`) to what heartbeats carry."""
+        self._refusal_sources.append(source)
+
+    def refusals(self) -> dict[str, int]:
+        """What the run's sockets refused from peers, by kind, those at 0 left out: this
+        publisher's and each source's. Every heartbeat carries it, so a worker's Prometheus
+        exporter serves it (`offloop_refused_total`)."""
+        stats = self.stats
+        counts = {"events_foreign": stats.foreign_messages, "state_malformed": stats.bad_requests,
+                  "state_unauthorized": stats.unauthorized}
+        for source in self._refusal_sources:
+            counts.update(source())
+        return {what: n for what, n in counts.items() if n}
 
     @property
     def serving(self) -> bool:

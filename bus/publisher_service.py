@@ -37,11 +37,11 @@ class PublisherService:
 
     def __init__(self, *, interest: Interest, held: HeldEvents, outbox: Outbox,
                  stats: PublisherStats, encoder: EventEncoder, limits: Limits, curve,
-                 release, release_locked) -> None:
+                 release, release_locked, refusals) -> None:
         self.interest, self.held, self.outbox, self.stats = interest, held, outbox, stats
         self.late_join = LateJoin(encoder, interest, held, outbox.lock, stats, limits, curve,
                                   release_locked, self.track, self.beat)
-        self._curve, self._release = curve, release
+        self._curve, self._release, self._refusals = curve, release, refusals
         self._cut = threading.Event()  # the proxy thread's cue to drop every events connection
         self._revocation: RevocationCut | None = None
         self._threads: list[threading.Thread] = []
@@ -143,7 +143,8 @@ class PublisherService:
         numbered before it, so no subscriber counts those lost while they are queued."""
         with self.outbox.lock:
             self.stats.beats += 1
-            self.outbox.beat(self.held.seq, self.held.tseq, self.stats.beats, final)
+            self.outbox.beat(self.held.seq, self.held.tseq, self.stats.beats, final,
+                             self._refusals())
 
     def _tick(self) -> None:
         """Held events the loop has not released for a while (it is stuck in a data loader,

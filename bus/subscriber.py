@@ -105,6 +105,8 @@ class Subscriber:
         self.finished = False
         self.join_state: JoinState | None = None
         self.publisher_drops = 0
+        #: what the run's sockets refused from peers, by kind (its latest heartbeat's)
+        self.publisher_refused: dict[str, int] = {}
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
@@ -356,6 +358,7 @@ class Subscriber:
             self.stats.heartbeats += 1
             self._latest_beat = max(self._latest_beat, msg.data.get("beat", 0))
             self.publisher_drops = msg.data.get("drops", 0)
+            self.publisher_refused = msg.data.get("refused", {})
             self._beats.append((self._last_heard, msg))
             if msg.data.get("final") and self._final_at is None:
                 self._final_at = self._last_heard

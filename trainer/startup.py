@@ -137,6 +137,7 @@ class RunSockets:
         ranks_endpoints = agreement.gather(dict(endpoints))  # every rank, in step
         if self.rank == 0:
             self.control = ControlServer(host=self.host, context=self.context, curve=self.keys)
+            publisher.count_refusals(self.control.refusals)  # heartbeats carry its counts
             control = self.control.start()
             endpoints["control"] = reachable(control) if distributed else control
             info = RunInfo(

@@ -39,7 +39,7 @@ from offloop.workers import callback_state
 from offloop.workers.callback import Callback, StopTrainingError
 from offloop.workers.destinations import ConsoleLogger, LoggerDestination
 from offloop.workers.logger import Logger
-from offloop.workers.state import State
+from offloop.workers.state import FrozenDict, State
 from offloop.workers.state_writer import StateWriter
 
 __all__ = ["CallbackRuntime", "Worker", "WorkerStats", "serve_trainer_callbacks",
@@ -257,6 +257,8 @@ class CallbackRuntime:
                 writer.set(gaps=stats.gaps)
             if sub.publisher_drops != state.publisher_drops:  # from the latest heartbeat
                 writer.set(publisher_drops=sub.publisher_drops)
+            if sub.publisher_refused != state.publisher_refused:
+                writer.set(publisher_refused=FrozenDict(sub.publisher_refused))
         writer.set(events_received=stats.events)
         for callback in self._recorders:
             callback.record(msg)

@@ -48,6 +48,7 @@ class State:
             "rank": 0, "wall_time": 0.0, "dataloader_len": None, "world_size": 1,
             "last_checkpoint": None, "stopped_by": None, "samples": None, "flops": None,
             "gaps": 0, "events_received": 0, "publisher_drops": None,
+            "publisher_refused": FrozenDict({}),
             # the trainer waits at this event for this worker: a request made now is
             # answered before training goes on (Callback.decides_on)
             "decision_awaited": False,

@@ -19,7 +19,7 @@ __all__ = ["StateWriter"]
 class StateWriter:
     """Writes one State: `fold(msg)` each message received, `apply_config(config)` the run's
     config (a late join, a replay's header), `set(**values)` the runtime's own counts
-    (`gaps`, `events_received`, `publisher_drops`, `decision_awaited`)."""
+    (`gaps`, `events_received`, `publisher_drops`, `publisher_refused`, `decision_awaited`)."""
 
     def __init__(self, state: State) -> None:
         self.state = state

@@ -213,10 +213,14 @@ def _decode_heartbeat(topic: str, body: bytes, tensor_frames, limits: Limits) ->
     body = _require(_unpack(body, limits), _HEARTBEAT_SCHEMA, "heartbeat")
     if body["k"] != "hb":
         raise WireError(f"heartbeat field 'k' is {body['k']!r}, expected 'hb'")
-    for name, n in body["tseq"].items():
-        if type(name) is not str or type(n) is not int:
-            raise WireError(f"heartbeat field 'tseq' maps {name!r} to {n!r}, "
-                            "expected topic (str) -> int")
+    for field, what in (("tseq", "topic"), ("refused", "kind")):
+        counts = body.get(field, {})
+        if type(counts) is not dict:
+            raise WireError(f"heartbeat field {field!r} is {counts!r}, expected a map")
+        for name, n in counts.items():
+            if type(name) is not str or type(n) is not int:
+                raise WireError(f"heartbeat field {field!r} maps {name!r} to {n!r}, "
+                                f"expected {what} (str) -> int")
     check_values(body)
     return Message(topic, "hb", body["run"], body["pub"], body["rank"], body["seq"], 0,
                    float(body["t"]), (0, 0, 0, 0, 0), body)
@@ -237,11 +241,16 @@ def _explain_event(body: list) -> None:
 
 
 def encode_heartbeat(run: str, pub: str, rank: int, seq: int, tseq: dict[str, int],
-                     drops: int, interval: float, beat: int, final: bool = False) -> bytes:
+                     drops: int, interval: float, beat: int, final: bool = False,
+                     refused: dict[str, int] | None = None) -> bytes:
     """Heartbeat: ``b"_hb\\0" + {v, k: "hb", run, pub, rank, seq, tseq: {topic: n}, t,
-    drops, interval, beat, final}``: the latest sequence numbers make tail loss visible,
-    `beat` counts heartbeats, and `final` says the publisher is closing."""
+    drops, interval, beat, final[, refused: {what: n}]}``: the latest sequence numbers make
+    tail loss visible, `beat` counts heartbeats, `final` says the publisher is closing, and
+    `refused` counts what the run's sockets refused from peers, by kind (left out when
+    nothing was)."""
     body = {"v": VERSION, "k": "hb", "run": run, "pub": pub, "rank": rank, "seq": seq,
             "tseq": tseq, "t": time.time(), "drops": drops, "interval": interval, "beat": beat,
             "final": final}
+    if refused:
+        body["refused"] = refused
     return topic_prefix(HEARTBEAT_TOPIC) + msgpack.packb(body)

@@ -820,3 +820,46 @@ def test_a_topic_longer_than_the_wire_carries_is_refused_by_name(publisher):
         _receive_one(every, publisher)
         with pytest.raises(WireError, match=f"over {MAX_TOPIC_BYTES} bytes"):
             publisher.publish("u" * (MAX_TOPIC_BYTES + 1), (0, 1, 1, 1, 0), {})
+
+
+def test_heartbeats_carry_what_the_runs_sockets_refused_by_kind():
+    # every refusal counted in the run's stats reaches subscribers (and so Prometheus)
+    from offloop.bus import ControlServer
+
+    ctx = zmq.Context()
+    pub = Publisher("refusing-run", heartbeat_interval=0.1, context=ctx)
+    server = ControlServer(context=ctx)
+    pub.count_refusals(server.refusals)
+    endpoints = {**pub.start(), "control": server.start()}
+    peers = []
+    try:
+        with Subscriber(endpoints["events"], topics=["batch_end"], context=ctx) as sub:
+            sub.connect()
+            _peer_sends(endpoints["events"], b"X" + BURST_PREFIX)  # not a subscription
+            for name, bodies in (("state", [b"junk"] * 2),
+                                 ("control", [b"\xc1"] * 3 + [b"x" * (20 << 10)])):  # 16 KiB at most
+                peer = ctx.socket(zmq.DEALER)
+                peer.linger = 0
+                peer.connect(endpoints[name])
+                peers.append(peer)
+                for body in bodies:
+                    peer.send(body)
+            expected = {"events_foreign": 1, "state_malformed": 2, "control_malformed": 3,
+                        "control_oversized": 1}
+
+            def carried() -> bool:
+                sub.recv(timeout=0.05)
+                return sub.publisher_refused == expected
+
+            wait_until(carried, 10, f"a heartbeat carrying {expected} (the last: "
+                                    f"{sub.publisher_refused})")
+            assert pub.refusals() == expected
+            from offloop.bus import REFUSAL_KINDS  # what the exporter serves from the start
+
+            assert set(server.refusals()) | set(expected) <= set(REFUSAL_KINDS)
+    finally:
+        for peer in peers:
+            peer.close()
+        pub.close(linger=0)
+        server.close()
+        ctx.term()

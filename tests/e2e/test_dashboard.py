@@ -68,7 +68,7 @@ def test_dashboard_json_is_valid_and_provisioned_with_its_data_source():
     assert home == f"{providers[0]['options']['path']}/{DASHBOARD.name}"
 
     wanted = {"Loss", "Learning rate", "Throughput", "Eval metrics", "Gradient norm", "Memory",
-              "Drops and gaps"}
+              "Drops, gaps and refusals"}
     assert wanted <= {p["title"] for p in dashboard["panels"]}
     ids, cells = set(), set()
     for panel in dashboard["panels"]:

@@ -19,6 +19,7 @@ from offloop.trainer import Trainer
 from offloop.workers import Callback, CallbackRuntime
 from offloop.workers.callbacks import PrometheusExporter
 from offloop.workers.callbacks.prometheus import METRICS
+from offloop.workers.state import FrozenDict
 
 
 def _families(url: str) -> dict:
@@ -62,6 +63,7 @@ def test_metrics_follow_prometheus_conventions_and_render_the_latest_snapshot(fr
                event="batch_checkpoint", requested_by="c")
     feed.event("control_request", t + 6, (0, 3, 3, 96, 12288), op="halt", client="c", args={})
     feed.writer.set(publisher_drops=4)  # as the worker runtime sets it from a heartbeat
+    feed.writer.set(publisher_refused=FrozenDict({"control_malformed": 3, "events_foreign": 1}))
     feed.event("epoch_end", t + 7, (1, 3, 0, 96, 12288))
 
     families = _families(url)
@@ -69,7 +71,7 @@ def test_metrics_follow_prometheus_conventions_and_render_the_latest_snapshot(fr
     for family in families.values():  # few labels: run and rank, plus one naming a series' part
         for sample in family.samples:
             assert set(sample.labels) - {"run", "rank"} <= {"group", "dataloader", "metric", "op", "model",
-                                                             "device"}, sample
+                                                             "device", "what"}, sample
             assert {k: sample.labels[k] for k in run} == run, sample
     assert families["offloop_loss"].type == "gauge" and _value(families, "offloop_loss") == 2.0
     assert _value(families, "offloop_learning_rate", group="0") == 0.05
@@ -97,6 +99,8 @@ def test_metrics_follow_prometheus_conventions_and_render_the_latest_snapshot(fr
     assert _value(families, "offloop_events_received") == 12
     assert _value(families, "offloop_events_lost") == 0
     assert _value(families, "offloop_publisher_drops") == 4  # read from the State, not the worker
+    assert _value(families, "offloop_refused", what="control_malformed") == 3
+    assert _value(families, "offloop_refused", what="events_foreign") == 1
     assert _value(families, "offloop_last_event_timestamp_seconds") == pytest.approx(t + 7)  # the epoch_end's
     assert _value(families, "offloop_run_info", model="Mlp", device="cuda:0") == 1
     assert _value(families, "offloop_progress_ratio") == pytest.approx(0.3)  # 3 of "10ba"
@@ -195,6 +199,27 @@ class _Published(Callback):
             self.losses[state.timestamp.batch] = state.loss
 
 
+def _send_junk_control_requests(run_dir: Path, count: int) -> None:
+    """`count` control requests that are not msgpack, as a confused or hostile peer sends."""
+    import zmq
+
+    from offloop.bus import read_run_info
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    try:
+        sock.connect(read_run_info(run_dir).endpoints["control"])
+        for _ in range(count):
+            sock.send(b"\xc1 not msgpack")
+        for _ in range(count):  # each is answered with an error
+            assert sock.poll(10_000), "a malformed control request went unanswered"
+            sock.recv_multipart()
+    finally:
+        sock.close()
+        ctx.term()
+
+
 def test_a_real_prometheus_scrapes_the_exporter_during_a_real_training_run(tmp_path):
     port = free_port()
     run_name = f"prom-{uuid.uuid4().hex[:6]}"
@@ -207,6 +232,7 @@ def test_a_real_prometheus_scrapes_the_exporter_during_a_real_training_run(tmp_p
         worker = CallbackRuntime(str(tmp_path / "run"), [published], destinations=[],
                                  heartbeat_timeout=30)
         worker.connect()
+        _send_junk_control_requests(tmp_path / "run", 3)  # refused: counted, exported
         codes: list[int] = []
         thread = threading.Thread(target=lambda: codes.append(worker.run()), daemon=True)
         thread.start()
@@ -223,6 +249,9 @@ def test_a_real_prometheus_scrapes_the_exporter_during_a_real_training_run(tmp_p
         # over a range: once the exporter has gone, an instant query sees the stale marker
         prom.wait_for(f"max_over_time(offloop_step{selector}[10m])",
                       lambda r: r and float(r[0]["value"][1]) == final)
+        prom.wait_for(f"max_over_time(offloop_refused_total{{job=\"offloop\", run=\"{run_name}\", "
+                      f"what=\"control_malformed\"}}[10m])",
+                      lambda r: r and float(r[0]["value"][1]) == 3)
         steps = prom.samples(f"offloop_step{selector}")
         losses = prom.samples(f"offloop_loss{selector}")
 

@@ -313,6 +313,11 @@ def _heartbeat(body: bytes, frames: list[bytes], ck: _Check) -> Verdict:
             ck.need(is_number(field), "hb-shape", f"field {name} is {value.get(name, 'missing')!r}")
     for topic, n in value["tseq"].items():  # {topic: latest tseq}
         ck.need(type(topic) is str and is_int(n), "hb-tseq", f"tseq entry {topic!r}: {n!r}")
+    if "refused" in value:  # optional: {kind of refusal: count}
+        refused = value["refused"]
+        ck.need(type(refused) is dict, "hb-refused", f"refused is {refused!r}, not a map")
+        for what, n in refused.items():
+            ck.need(type(what) is str and is_int(n), "hb-refused", f"refused entry {what!r}: {n!r}")
     event = Event(HEARTBEAT, "hb", value["run"], value["pub"], value["rank"], value["seq"], None,
                   float(value["t"]), None, value)
     return Verdict(True, kind="hb", events=(event,))

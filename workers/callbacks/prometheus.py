@@ -11,7 +11,7 @@ import os
 import threading
 from collections import deque
 
-from offloop.bus import GRAD_NORMS
+from offloop.bus import GRAD_NORMS, REFUSAL_KINDS
 from offloop.workers.callback import Callback
 from offloop.workers.callbacks.prometheus_targets import TargetFile, default_targets_dir
 from offloop.workers.callbacks.speed_monitor import gpu_flops_available
@@ -54,6 +54,8 @@ METRICS: dict[str, tuple[str, str]] = {
                                        "numbers)."),
     "offloop_publisher_drops": ("counter", "Events the trainer dropped because its send queue was "
                                            "full (from its heartbeats)."),
+    "offloop_refused": ("counter", "Messages the trainer's sockets refused from peers (malformed, "
+                                   "oversized, unauthorised, ...), by kind (from its heartbeats)."),
     "offloop_control_requests": ("counter", "Halt and checkpoint requests the trainer read, by op."),
     "offloop_checkpoints_written": ("counter", "Checkpoints the trainer announced it wrote."),
     "offloop_run_info": ("gauge", "1, labelled with the run's model class and device (the run and "
@@ -100,6 +102,7 @@ class _View:
         self.mfu: float | None = None
         self.events = self.gaps = self.checkpoints = 0
         self.drops: int | None = None
+        self.refused: dict[str, int] = {}
         self.control: dict[str, int] = {}
         self.last_event_time: float | None = None
         self.model = self.device = ""
@@ -308,6 +311,7 @@ class PrometheusExporter(Callback):
             # the worker's counts cover every event it received, not only those handled here
             view.events = max(view.events + 1, state.events_received)
             view.gaps, view.drops = state.gaps, state.publisher_drops
+            view.refused = dict(state.publisher_refused)
             view.last_event_time = state.wall_time
             view.checkpoints += checkpoint
             if control_op is not None:
@@ -411,7 +415,7 @@ def _families(view: _View) -> list:
     extra_labels = {"offloop_run_info": ["model", "device"],
                     "offloop_learning_rate": ["group"], "offloop_eval_metric": ["dataloader", "metric"],
                     "offloop_train_metric": ["metric"],
-                    "offloop_control_requests": ["op"]}
+                    "offloop_control_requests": ["op"], "offloop_refused": ["what"]}
     families = {}
     for name, (kind, help_text) in METRICS.items():
         cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
@@ -450,6 +454,9 @@ def _families(view: _View) -> list:
     put("offloop_events_received", view.events)
     put("offloop_events_lost", view.gaps)
     put("offloop_publisher_drops", view.drops)
+    # every kind from the start, at 0: increase() sees a kind's first refusal
+    for what, count in sorted({**dict.fromkeys(REFUSAL_KINDS, 0), **view.refused}.items()):
+        put("offloop_refused", count, what)
     for op, count in sorted(view.control.items()):
         put("offloop_control_requests", count, op)
     put("offloop_checkpoints_written", view.checkpoints)

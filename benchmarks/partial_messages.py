@@ -1,0 +1,131 @@
+"""What raw connections holding partly sent messages cost a real trainer (issue 44, 3b).
+
+A real Trainer (tests/programs/slow_trainer.py: a linear model, batches paced by its data
+loader) runs in a child process. This process opens `--connections` raw TCP connections
+to each of its public sockets (control, state, events), completes ZMTP 3.0's NULL
+handshake on each (as a DEALER, or a SUB for the events socket) and then sends all but
+the last byte of the largest message that socket admits (its ZMQ_MAXMSGSIZE), so libzmq
+buffers each one while waiting for the rest. Then it reads the trainer's RSS.
+
+  connections          per socket (three sockets)
+  rss_growth_mib       the trainer's peak RSS with every connection open, over its RSS before
+  per_connection_kib   that growth over all the connections
+  batches_meanwhile    batches the trainer finished while the connections were held (it trains on)
+
+Prints one JSON object per `--connections` value given. Usage:
+    python benchmarks/partial_messages.py --connections 16 40 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from offloop.bus import read_run_info  # noqa: E402
+from offloop.bus.wire import MAX_SUBSCRIPTION_BYTES, request_socket_cap  # noqa: E402
+
+#: the largest message each socket admits (the partial one held is one byte short of it)
+CAPS = {"control": request_socket_cap(), "state": request_socket_cap(), "events": MAX_SUBSCRIPTION_BYTES}
+PEER_TYPE = {"control": b"DEALER", "state": b"DEALER", "events": b"SUB"}
+
+
+def greeting() -> bytes:
+    """ZMTP 3.0's greeting: signature, version 3.0, mechanism NULL, as-server 0, filler."""
+    return b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
+
+
+def ready(socket_type: bytes) -> bytes:
+    body = b"\x05READY" + b"\x0bSocket-Type" + len(socket_type).to_bytes(4, "big") + socket_type
+    return b"\x04" + bytes([len(body)]) + body
+
+
+def partial(size: int) -> bytes:
+    """A long message frame's header announcing `size` bytes, and size - 1 of them."""
+    return b"\x02" + size.to_bytes(8, "big") + b"x" * (size - 1)
+
+
+def hold(endpoint: str, name: str) -> socket.socket:
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=10)
+    conn.sendall(greeting() + ready(PEER_TYPE[name]) + partial(CAPS[name]))
+    return conn
+
+
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key == field:
+                return int(value.split()[0]) / 1024
+    raise RuntimeError(f"no {field} for pid {pid}")
+
+
+def measure(count: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT.parent), str(ROOT / "tests"),
+                                                            os.environ.get("PYTHONPATH", "")])}
+        child = subprocess.Popen([sys.executable, str(ROOT / "tests/programs/slow_trainer.py"),
+                                  tmp, "100000", "0.01"], stdout=subprocess.PIPE, env=env, text=True,
+                                 cwd=tmp)
+        conns: list[socket.socket] = []
+        try:
+            pid = json.loads(child.stdout.readline())["pid"]
+            deadline = time.monotonic() + 60
+            while not (Path(tmp) / "run.json").exists():
+                if time.monotonic() > deadline or child.poll() is not None:
+                    raise RuntimeError("the trainer wrote no run.json")
+                time.sleep(0.05)
+            endpoints = read_run_info(tmp).endpoints
+            time.sleep(2)  # past start-up's allocations
+            before = rss_mib(pid)
+            steps_before = _steps(tmp)
+            for name in ("control", "state", "events"):
+                conns += [hold(endpoints[name], name) for _ in range(count)]
+            time.sleep(3)  # libzmq reads what was sent
+            peak = rss_mib(pid, "VmHWM")
+            steps = _steps(tmp) - steps_before
+        finally:
+            for conn in conns:
+                conn.close()
+            child.kill()
+            child.wait(timeout=10)
+    growth = peak - before
+    return {"connections": count, "sockets": 3, "rss_before_mib": round(before, 1),
+            "rss_growth_mib": round(growth, 1),
+            "per_connection_kib": round(growth * 1024 / (3 * count), 1),
+            "batches_meanwhile": steps}
+
+
+def _steps(run_dir: str) -> int:
+    """The trainer's latest step, from its state socket (a real client asks the same)."""
+    from offloop.bus import Subscriber
+
+    info = read_run_info(run_dir)
+    with Subscriber(info.endpoints["events"], info.endpoints["state"]) as sub:
+        state = sub.connect(join_timeout=10)
+    return max((entry.ts[1] for entry in state.entries), default=0) if state else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--connections", type=int, nargs="+", default=[16, 40, 200])
+    args = parser.parse_args()
+    for count in args.connections:
+        if count < 1:
+            parser.error(f"--connections must be at least 1, got {count}")
+    for count in args.connections:
+        print(json.dumps(measure(count)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
