@@ -11,6 +11,7 @@ buffers each one while waiting for the rest. Then it reads the trainer's RSS.
   rss_growth_mib       the trainer's peak RSS with every connection open, over its RSS before
   per_connection_kib   that growth over all the connections
   batches_meanwhile    batches the trainer finished while the connections were held (it trains on)
+  cut                  connections the trainer shut down at once, by socket (from its heartbeats)
 
 Prints one JSON object per `--connections` value given. Usage:
     python benchmarks/partial_messages.py --connections 16 40 200
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from helpers.raw_zmtp import hold_partial  # noqa: E402
 
 from offloop.bus import read_run_info  # noqa: E402
 from offloop.bus.wire import MAX_SUBSCRIPTION_BYTES, request_socket_cap  # noqa: E402
@@ -37,28 +39,6 @@ from offloop.bus.wire import MAX_SUBSCRIPTION_BYTES, request_socket_cap  # noqa:
 #: the largest message each socket admits (the partial one held is one byte short of it)
 CAPS = {"control": request_socket_cap(), "state": request_socket_cap(), "events": MAX_SUBSCRIPTION_BYTES}
 PEER_TYPE = {"control": b"DEALER", "state": b"DEALER", "events": b"SUB"}
-
-
-def greeting() -> bytes:
-    """ZMTP 3.0's greeting: signature, version 3.0, mechanism NULL, as-server 0, filler."""
-    return b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
-
-
-def ready(socket_type: bytes) -> bytes:
-    body = b"\x05READY" + b"\x0bSocket-Type" + len(socket_type).to_bytes(4, "big") + socket_type
-    return b"\x04" + bytes([len(body)]) + body
-
-
-def partial(size: int) -> bytes:
-    """A long message frame's header announcing `size` bytes, and size - 1 of them."""
-    return b"\x02" + size.to_bytes(8, "big") + b"x" * (size - 1)
-
-
-def hold(endpoint: str, name: str) -> socket.socket:
-    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    conn = socket.create_connection((host, int(port)), timeout=10)
-    conn.sendall(greeting() + ready(PEER_TYPE[name]) + partial(CAPS[name]))
-    return conn
 
 
 def rss_mib(pid: int, field: str = "VmRSS") -> float:
@@ -77,7 +57,7 @@ def measure(count: int) -> dict:
         child = subprocess.Popen([sys.executable, str(ROOT / "tests/programs/slow_trainer.py"),
                                   tmp, "100000", "0.01"], stdout=subprocess.PIPE, env=env, text=True,
                                  cwd=tmp)
-        conns: list[socket.socket] = []
+        conns: list = []
         try:
             pid = json.loads(child.stdout.readline())["pid"]
             deadline = time.monotonic() + 60
@@ -90,10 +70,14 @@ def measure(count: int) -> dict:
             before = rss_mib(pid)
             steps_before = _steps(tmp)
             for name in ("control", "state", "events"):
-                conns += [hold(endpoints[name], name) for _ in range(count)]
+                conns += [hold_partial(endpoints[name], PEER_TYPE[name], CAPS[name])
+                          for _ in range(count)]
             time.sleep(3)  # libzmq reads what was sent
             peak = rss_mib(pid, "VmHWM")
-            steps = _steps(tmp) - steps_before
+            for conn in conns:  # the probe below needs a place
+                conn.close()
+            steps, refused = _steps(tmp)
+            steps -= steps_before[0]
         finally:
             for conn in conns:
                 conn.close()
@@ -103,17 +87,24 @@ def measure(count: int) -> dict:
     return {"connections": count, "sockets": 3, "rss_before_mib": round(before, 1),
             "rss_growth_mib": round(growth, 1),
             "per_connection_kib": round(growth * 1024 / (3 * count), 1),
-            "batches_meanwhile": steps}
+            "batches_meanwhile": steps,
+            "cut": {k: v for k, v in refused.items() if k.endswith("_connections")}}
 
 
-def _steps(run_dir: str) -> int:
-    """The trainer's latest step, from its state socket (a real client asks the same)."""
+def _steps(run_dir: str) -> tuple[int, dict[str, int]]:
+    """The trainer's latest step, from its state socket (as a real client asks it), and
+    what its sockets refused so far, from its next heartbeat."""
     from offloop.bus import Subscriber
 
     info = read_run_info(run_dir)
     with Subscriber(info.endpoints["events"], info.endpoints["state"]) as sub:
         state = sub.connect(join_timeout=10)
-    return max((entry.ts[1] for entry in state.entries), default=0) if state else 0
+        beats = sub.stats.heartbeats
+        deadline = time.monotonic() + 10
+        while sub.stats.heartbeats == beats and time.monotonic() < deadline:
+            sub.recv(timeout=0.1)
+        refused = dict(sub.publisher_refused)
+    return (max((entry.ts[1] for entry in state.entries), default=0) if state else 0), refused
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import zmq
 
+from offloop.bus.connection_cap import MAX_CONNECTIONS, ConnectionCap
 from offloop.bus.errors import WireError
 from offloop.bus.request_budget import RequestBudget
 from offloop.bus.wire import (
@@ -118,12 +119,16 @@ class ControlStats:
     #: answers (ok true) and refusals (ok false) forgotten to keep each store within keep_acks
     evicted_acks: int = 0
     evicted_refusals: int = 0
+    #: connections shut down at once: max_connections were already open
+    connections_cut: int = 0
 
 
 class ControlServer:
     """ROUTER socket served by a thread; requests queue for the trainer's `poll()`.
     `keep_acks`: how many of the trainer's answers that applied a request are kept for
-    retries, how many refusals apart from them, and how many clients' highest `req` of each."""
+    retries, how many refusals apart from them, and how many clients' highest `req` of each.
+    `max_connections`: peers connected at once; a connection past them is shut down at once
+    and counted (bus/connection_cap.py)."""
 
     def __init__(
         self,
@@ -134,6 +139,7 @@ class ControlServer:
         keep_acks: int = 4096,
         max_queued: int = 256,
         max_queued_bytes: int = 16 << 20,
+        max_connections: int = MAX_CONNECTIONS,
         authorize: Callable[[ControlRequest], str | None] | None = None,
         context: zmq.Context | None = None,
         curve=None,
@@ -144,6 +150,10 @@ class ControlServer:
         self._authorize = authorize
         self._host, self._port = host, port
         self._keep_acks = keep_acks
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections!r}")
+        self._max_connections = max_connections
+        self._connections: ConnectionCap | None = None
         #: requests the server thread queued for the next poll(), oldest first (the trainer
         #: reads its truth value each batch instead of calling poll() for nothing)
         self.inbox: deque[ControlRequest] = deque()
@@ -182,7 +192,8 @@ class ControlServer:
         stats = self.stats
         return {"control_malformed": stats.malformed, "control_oversized": stats.oversized,
                 "control_unauthorized": stats.unauthorized, "control_refused": stats.refused,
-                "control_overflow": stats.overflow, "control_stale": stats.stale}
+                "control_overflow": stats.overflow, "control_stale": stats.stale,
+                "control_connections": stats.connections_cut}
 
     def start(self) -> str:
         router = self._ctx.socket(zmq.ROUTER)
@@ -194,18 +205,21 @@ class ControlServer:
         # peer was buffered whole in the trainer; a client sends one request at a time
         router.rcvhwm = _RCVHWM
         router.linger = 0
-        monitor = None
+        # at most max_connections peers at once; with keys, its monitor also counts the
+        # clients whose key is refused
+        handshakes = 0
         if self._curve is not None:
             self._curve.apply(router)
-            monitor = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            handshakes = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        self._connections = ConnectionCap(router, self._max_connections, events=handshakes,
+                                          on_event=self._handshake_failed)
         router.bind(f"tcp://{self._host}:{self._port or '*'}")
         self.endpoint = router.last_endpoint.decode()
         wake = self._ctx.socket(zmq.PAIR)
         wake.bind(self._inproc)
         self._wake = self._ctx.socket(zmq.PAIR)
         self._wake.connect(self._inproc)
-        self._thread = threading.Thread(target=self._serve, args=(router, wake, monitor),
+        self._thread = threading.Thread(target=self._serve, args=(router, wake, self._connections),
                                         daemon=True, name="offloop-control")
         self._thread.start()
         return self.endpoint
@@ -233,16 +247,14 @@ class ControlServer:
 
     # ------------------------------------------------------- server thread
 
-    def _serve(self, router: zmq.Socket, wake: zmq.Socket, monitor: zmq.Socket | None) -> None:
-        quiet = zmq.Poller()  # while the requests' budget rests: acks and handshakes only
-        quiet.register(wake, zmq.POLLIN)
-        if monitor is not None:
-            quiet.register(monitor, zmq.POLLIN)
+    def _serve(self, router: zmq.Socket, wake: zmq.Socket, connections: ConnectionCap) -> None:
+        monitor = connections.monitor
+        quiet = zmq.Poller()  # while the requests' budget rests: acks and connections only
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         for sock in (wake, monitor):
-            if sock is not None:
-                poller.register(sock, zmq.POLLIN)
+            quiet.register(sock, zmq.POLLIN)
+            poller.register(sock, zmq.POLLIN)
         budget = RequestBudget()
         try:
             while True:
@@ -258,26 +270,22 @@ class ControlServer:
                             except zmq.Again:
                                 break
                             self._receive(router, frames)
-                if monitor is not None and monitor in ready:
-                    self._handshake_failures(monitor)
+                if monitor in ready:
+                    connections.take()
+                    self.stats.connections_cut = connections.cut
         finally:
-            if monitor is not None:
-                router.disable_monitor()
-                monitor.close(linger=0)
+            router.disable_monitor()
+            connections.close()
             router.close(linger=0)
             wake.close(linger=0)
 
-    def _handshake_failures(self, monitor: zmq.Socket) -> None:
+    def _handshake_failed(self, event: dict) -> None:
         """A client whose key is not authorised never gets a message through: count it."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        while monitor.poll(0):
-            event = recv_monitor_message(monitor)
-            self.stats.unauthorized += 1
-            log.warning("offloop control: refused a client at %s (%s): its key is not authorised",
-                        event.get("endpoint", b"").decode(errors="replace"),
-                        "bad key" if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                        else "handshake")
+        self.stats.unauthorized += 1
+        log.warning("offloop control: refused a client at %s (%s): its key is not authorised",
+                    event.get("endpoint", b"").decode(errors="replace"),
+                    "bad key" if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    else "handshake")
 
     def _send_acks(self, router: zmq.Socket, wake: zmq.Socket) -> bool:
         alive = True

@@ -56,8 +56,9 @@ DEFAULT_RETAINED = frozenset({
 #: every kind of refusal a run's heartbeats may count (Publisher.refusals): the control
 #: server's, the state socket's, the events socket's
 REFUSAL_KINDS = ("control_malformed", "control_oversized", "control_unauthorized",
-                 "control_refused", "control_overflow", "control_stale", "state_malformed",
-                 "state_unauthorized", "events_foreign")
+                 "control_refused", "control_overflow", "control_stale", "control_connections",
+                 "state_malformed", "state_unauthorized", "state_connections", "events_foreign",
+                 "events_connections")
 
 
 class Publisher:
@@ -145,7 +146,9 @@ class Publisher:
         exporter serves it (`offloop_refused_total`)."""
         stats = self.stats
         counts = {"events_foreign": stats.foreign_messages, "state_malformed": stats.bad_requests,
-                  "state_unauthorized": stats.unauthorized}
+                  "state_unauthorized": stats.unauthorized,
+                  "state_connections": stats.state_connections_cut,
+                  "events_connections": stats.events_connections_cut}
         for source in self._refusal_sources:
             counts.update(source())
         return {what: n for what, n in counts.items() if n}

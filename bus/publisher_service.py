@@ -12,6 +12,7 @@ import time
 
 import zmq
 
+from offloop.bus.connection_cap import ConnectionCap
 from offloop.bus.events_proxy import RevocationCut, run_events_proxy
 from offloop.bus.held import HeldEvents
 from offloop.bus.interest import Interest
@@ -45,6 +46,7 @@ class PublisherService:
         self._cut = threading.Event()  # the proxy thread's cue to drop every events connection
         self._revocation: RevocationCut | None = None
         self._threads: list[threading.Thread] = []
+        self._caps: dict[str, ConnectionCap] = {}
 
     def start(self, ctx: zmq.Context, inproc: str, host: str, events_port: int,
               state_port: int, queue_size: int, subscriber_hwm: int) -> dict[str, str]:
@@ -54,9 +56,12 @@ class PublisherService:
         front.bind(inproc)
         back = _socket(ctx, zmq.XPUB, sndhwm=subscriber_hwm, linger=0,
                        maxmsgsize=MAX_SUBSCRIPTION_BYTES)  # a longer one is no subscription
-        events = self._bind(back, host, events_port)
         router = _socket(ctx, zmq.ROUTER, maxmsgsize=request_socket_cap(self.late_join.limits),
                          linger=0, rcvhwm=STATE_RCVHWM)
+        # monitors before binding: every connection is seen (their sockets are the proxy's
+        # and this thread's; the monitors are read here)
+        self._caps = {"events": ConnectionCap(back), "state": ConnectionCap(router)}
+        events = self._bind(back, host, events_port)
         state = self._bind(router, host, state_port)
         watcher = ctx.socket(zmq.XPUB)
         watcher.connect(inproc)
@@ -104,7 +109,8 @@ class PublisherService:
             with budget.round():
                 self.late_join.answer(sock, watcher)
 
-        handlers = {watcher: self.track, router: answer, stop: self._final_beats}
+        handlers = {watcher: self.track, router: answer, stop: self._final_beats,
+                    **{cap.monitor: self._connections for cap in self._caps.values()}}
         poller, quiet = zmq.Poller(), zmq.Poller()  # quiet: while the budget rests
         for sock in handlers:
             poller.register(sock, zmq.POLLIN)
@@ -128,6 +134,7 @@ class PublisherService:
                     if handlers[sock](sock):
                         return
         finally:
+            router.disable_monitor()  # this thread's socket; the proxy's monitor just closes
             for sock in handlers:
                 sock.close(linger=0)
 
@@ -164,6 +171,14 @@ class PublisherService:
             if time.monotonic() >= deadline:
                 return True
             time.sleep(min(0.1, linger))
+
+    def _connections(self, _monitor: zmq.Socket) -> None:
+        """Connections to the events and state sockets: past MAX_CONNECTIONS each, cut."""
+        caps = self._caps
+        for cap in caps.values():
+            cap.take()
+        self.stats.events_connections_cut = caps["events"].cut
+        self.stats.state_connections_cut = caps["state"].cut
 
     def _cut_revoked(self) -> None:
         """A key that lost its role keeps no events connection (events_proxy.RevocationCut)."""

@@ -33,5 +33,9 @@ class PublisherStats:
     cuts: int = 0
     #: messages a peer sent into the events socket that were not (un)subscriptions
     foreign_messages: int = 0
+    #: connections shut down at once because the state or the events socket already had
+    #: MAX_CONNECTIONS (service thread)
+    state_connections_cut: int = 0
+    events_connections_cut: int = 0
     #: more than MAX_OPEN_PREFIXES open prefixes were subscribed at once, at some point
     prefix_overflow: bool = False

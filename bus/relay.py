@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from offloop.bus.connection_cap import MAX_CONNECTIONS, ConnectionCap
 from offloop.bus.discovery import RunInfo
 from offloop.bus.errors import WireError
 from offloop.bus.events_proxy import RevocationCut, run_events_proxy
@@ -52,6 +53,9 @@ log = logging.getLogger("offloop.relay")
 
 #: requests from one connection libzmq queues for the relay's thread (TCP holds the rest)
 _REQUEST_RCVHWM = 16
+#: monitors connected to the relay's events socket at once: fanning out is its job, and
+#: each costs it a few KiB (its frame limit is 1 KiB)
+RELAY_EVENTS_CONNECTIONS = 1024
 
 
 @dataclass
@@ -65,6 +69,7 @@ class RelayStats:
     beats: int = 0  # the trainer's heartbeats seen
     silences: int = 0  # times the trainer fell silent for longer than the heartbeat timeout
     cuts: int = 0  # events connections cut after a key was revoked
+    connections_cut: int = 0  # connections shut down at once: a socket had its most already
 
 
 class Relay:
@@ -108,6 +113,7 @@ class Relay:
         self._cut = threading.Event()
         self._threads: list[threading.Thread] = []
         self._revocation: RevocationCut | None = None
+        self._caps: list[ConnectionCap] = []
 
     # ------------------------------------------------------------ set-up
 
@@ -119,8 +125,8 @@ class Relay:
         # options before bind/connect: libzmq reads them when it makes each connection's pipe
         front = self._upstream_socket(zmq.XSUB, "events", rcvhwm=self.subscriber_hwm,
                                       maxmsgsize=self.limits.max_message_bytes)
-        back = self._public_socket(zmq.XPUB, "events", sndhwm=self.subscriber_hwm,
-                                   maxmsgsize=MAX_SUBSCRIPTION_BYTES)
+        back = self._public_socket(zmq.XPUB, "events", RELAY_EVENTS_CONNECTIONS,
+                                   sndhwm=self.subscriber_hwm, maxmsgsize=MAX_SUBSCRIPTION_BYTES)
         proxy_ctl = ctx.socket(zmq.PAIR)
         proxy_ctl.bind(self._inproc + "-proxy")
         self._proxy_ctl = ctx.socket(zmq.PAIR)
@@ -129,7 +135,7 @@ class Relay:
             self._revocation = RevocationCut(self.keys.access, self._cut, self._proxy_ctl)
 
         names = ["state", "control"] if "control" in self.upstream else ["state"]
-        sockets = {name: (self._public_socket(zmq.ROUTER, name,
+        sockets = {name: (self._public_socket(zmq.ROUTER, name, MAX_CONNECTIONS,
                                               maxmsgsize=request_socket_cap(self.limits),
                                               rcvhwm=_REQUEST_RCVHWM),
                           self._upstream_socket(zmq.DEALER, name,
@@ -153,9 +159,11 @@ class Relay:
             thread.start()
         return dict(self.endpoints)
 
-    def _public_socket(self, kind: int, name: str, **options: int) -> zmq.Socket:
-        """A socket monitors connect to (a CURVE server with keys), bound; its endpoint kept."""
+    def _public_socket(self, kind: int, name: str, max_connections: int, **options: int) -> zmq.Socket:
+        """A socket monitors connect to (a CURVE server with keys) and at most
+        `max_connections` at once, bound; its endpoint kept."""
         sock = self._socket(kind, self.keys, **options)
+        self._caps.append(ConnectionCap(sock, max_connections))  # before bind: sees them all
         sock.bind(f"tcp://{self.host}:{self._ports[name] or '*'}")
         self.endpoints[name] = sock.last_endpoint.decode()
         return sock
@@ -188,6 +196,9 @@ class Relay:
             routes[dealer] = (name, public)
         poller.register(beats, zmq.POLLIN)
         poller.register(stop, zmq.POLLIN)
+        monitors = {cap.monitor: cap for cap in self._caps}
+        for monitor in monitors:
+            poller.register(monitor, zmq.POLLIN)
         silent, next_check = False, time.monotonic()
         try:
             while True:
@@ -196,6 +207,10 @@ class Relay:
                     return
                 if beats in ready:
                     silent = self._heard(beats, silent)
+                if any(monitor in ready for monitor in monitors):
+                    for cap in self._caps:
+                        cap.take()
+                    self.stats.connections_cut = sum(cap.cut for cap in self._caps)
                 for sock in ready:
                     if sock in routes:
                         name, other = routes[sock]
@@ -221,6 +236,8 @@ class Relay:
                 dealer.close(linger=0)
             beats.close(linger=0)
             stop.close(linger=0)
+            for cap in self._caps:
+                cap.close()
 
     def _heard(self, beats: zmq.Socket, silent: bool) -> bool:
         """Take the trainer's heartbeats: liveness, and the final one."""

@@ -572,3 +572,40 @@ def test_a_request_without_wait_lives_the_default_lifetime(server):
     finally:
         dealer.close()
         ctx.destroy(linger=0)
+
+
+def test_connections_past_the_cap_are_shut_down_at_once_and_counted_the_first_ones_kept():
+    # issue 44: each raw connection holding a partly sent request kept up to the socket's
+    # frame limit in the trainer, and their number was not bounded (+321 MiB at 16 a socket)
+    from helpers.raw_zmtp import hold_partial, was_cut
+
+    from offloop.bus.wire import request_socket_cap
+
+    server = ControlServer(max_connections=4)
+    server.start()
+    trainer = Trainer(server)
+    held = []
+    try:
+        for _ in range(10):
+            held.append(hold_partial(server.endpoint, b"DEALER", request_socket_cap()))
+            wait_until(lambda: server.stats.connections_cut + 4 >= len(held), 10,
+                       "the connection to be seen")  # in order: the first four are kept
+        wait_until(lambda: server.stats.connections_cut == 6, 10, "six connections cut")
+        assert [was_cut(conn, timeout=0.5 if i < 4 else 5) for i, conn in enumerate(held)] == \
+            [False] * 4 + [True] * 6
+        assert server.refusals()["control_connections"] == 6
+        for conn in held[:4]:
+            conn.close()
+        # their places free again: a client is served
+        with ControlClient(server.endpoint, client_id="c") as client:
+            assert client.halt(timeout=10).ok
+    finally:
+        for conn in held:
+            conn.close()
+        trainer.stop()
+        server.close()
+
+
+def test_a_connection_cap_must_admit_one():
+    with pytest.raises(ValueError, match="max_connections must be >= 1"):
+        ControlServer(max_connections=0)

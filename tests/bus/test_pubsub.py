@@ -863,3 +863,30 @@ def test_heartbeats_carry_what_the_runs_sockets_refused_by_kind():
         pub.close(linger=0)
         server.close()
         ctx.term()
+
+
+def test_the_state_and_events_sockets_keep_at_most_max_connections_each_and_count_the_rest(publisher):
+    from helpers.raw_zmtp import hold_partial, is_closed
+
+    from offloop.bus.connection_cap import MAX_CONNECTIONS
+    from offloop.bus.wire import MAX_SUBSCRIPTION_BYTES, request_socket_cap
+
+    held = {"state": [], "events": []}
+    try:
+        for name, peer, size in (("state", b"DEALER", request_socket_cap()),
+                                 ("events", b"SUB", MAX_SUBSCRIPTION_BYTES)):
+            for _ in range(MAX_CONNECTIONS + 3):
+                held[name].append(hold_partial(publisher.endpoints[name], peer, size))
+        wait_until(lambda: publisher.refusals().get("state_connections") == 3
+                   and publisher.refusals().get("events_connections") == 3, 15,
+                   "three connections past the cap cut on each socket")
+        for name in held:  # libzmq closed the three it was told to shut down
+            wait_until(lambda: sum(map(is_closed, held[name])) == 3, 10, f"three {name} closed")
+            for conn in held[name]:
+                conn.close()
+        with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"]) as sub:
+            assert sub.connect(join_timeout=10) is not None  # room again: served
+    finally:
+        for conns in held.values():
+            for conn in conns:
+                conn.close()

@@ -304,3 +304,20 @@ def test_with_keys_the_longest_topic_is_subscribed_through_the_relay(tmp_path, k
                     return sub.recv(timeout=0.05) is not None
 
                 wait_until(served, 10, "the longest topic through the relay, with keys")
+
+
+def test_the_relay_keeps_at_most_max_connections_on_its_request_sockets(tmp_path):
+    from helpers.raw_zmtp import hold_partial, is_closed
+
+    from offloop.bus.connection_cap import MAX_CONNECTIONS
+    from offloop.bus.wire import request_socket_cap
+
+    with a_run(tmp_path) as (_, _, run_dir), Relay(read_run_info(run_dir)) as relay:
+        held = [hold_partial(relay.endpoints["state"], b"DEALER", request_socket_cap())
+                for _ in range(MAX_CONNECTIONS + 2)]
+        try:
+            wait_until(lambda: relay.stats.connections_cut == 2, 15, "two connections cut")
+            wait_until(lambda: sum(map(is_closed, held)) == 2, 10, "two closed")
+        finally:
+            for conn in held:
+                conn.close()

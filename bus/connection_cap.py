@@ -1,0 +1,119 @@
+"""At most so many connections at once on a socket that peers connect to.
+
+libzmq accepts every connection a listening socket gets, and each may hold a partly sent
+message up to the socket's frame limit while it waits for the rest (72 KiB a connection
+on a request socket, docs/reliability.md), so memory grew with their number. libzmq has
+no cap of its own; its socket monitor says when a connection is accepted (with its file
+descriptor) and when one ends. Past the cap, a new connection is shut down at once
+(`shutdown(2)` on libzmq's descriptor: libzmq sees the peer leave, closes it and frees
+what it held) and counted; the peers already connected are untouched.
+
+The thread that polls `monitor` calls `take()`; it need not own the socket.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+__all__ = ["ConnectionCap", "MAX_CONNECTIONS"]
+
+#: connections at once on each of a run's sockets (a run's workers, monitors and clients
+#: need a few dozen; a relay fans out to more)
+MAX_CONNECTIONS = 128
+
+
+class ConnectionCap:
+    """Counts one socket's connections from its monitor and cuts those past `cap`.
+    `events` asks the monitor for more kinds of event, handed to `on_event`."""
+
+    def __init__(self, sock: zmq.Socket, cap: int = MAX_CONNECTIONS, *, events: int = 0,
+                 on_event: Callable[[dict], None] | None = None) -> None:
+        if cap < 1:
+            raise ValueError(f"a connection cap must be at least 1, got {cap!r}")
+        self.cap, self._on_event = cap, on_event
+        # by hand, not get_monitor_socket(): an unbounded pipe, since an event dropped on a
+        # full one would leave the count wrong
+        endpoint = f"inproc://offloop-monitor-{uuid.uuid4().hex}"
+        sock.monitor(endpoint, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | events)
+        self.monitor = sock.context.socket(zmq.PAIR)
+        self.monitor.rcvhwm = 0
+        self.monitor.connect(endpoint)
+        self.live: set[int] = set()  # the descriptors of the connections in force
+        self.cut = 0  # connections shut down because `cap` were already open
+
+    def take(self, _monitor: zmq.Socket | None = None) -> None:
+        """Take in the monitor's events (a poll handler)."""
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            kind, fd = event["event"], event["value"]
+            if kind == zmq.EVENT_ACCEPTED:
+                port = _port(event["endpoint"])
+                if len(self.live) >= self.cap:  # first, forget any that ended unseen
+                    self.live = {live for live in self.live if _accepted_on(live, port)}
+                if len(self.live) < self.cap:
+                    self.live.add(fd)
+                else:
+                    self.cut += 1
+                    _shut_down(fd, port)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.live.discard(fd)
+            elif self._on_event is not None:
+                self._on_event(event)
+
+    def close(self) -> None:
+        self.monitor.close(linger=0)
+
+
+def _port(endpoint: bytes) -> int | None:
+    """The TCP port of a listener's endpoint (b"tcp://127.0.0.1:5555"), or None."""
+    try:
+        return int(endpoint.rsplit(b":", 1)[-1])
+    except ValueError:
+        return None
+
+
+def _connection(fd: int, port: int | None) -> socket.socket | None:
+    """A socket object on a copy of `fd`, if `fd` is still a connection accepted on `port`
+    (the listener's); closing it closes the copy only."""
+    try:
+        copy = os.dup(fd)
+    except OSError:  # closed meanwhile
+        return None
+    try:
+        conn = socket.socket(fileno=copy)
+    except OSError:  # not a socket any more
+        os.close(copy)
+        return None
+    try:
+        if conn.getsockname()[1] == port:
+            return conn
+    except OSError:
+        pass
+    conn.close()
+    return None
+
+
+def _accepted_on(fd: int, port: int | None) -> bool:
+    conn = _connection(fd, port)
+    if conn is None:
+        return False
+    conn.close()
+    return True
+
+
+def _shut_down(fd: int, port: int | None) -> None:
+    """Shut down the connection libzmq holds on `fd`: libzmq owns the descriptor, sees the
+    peer leave, and closes it itself."""
+    conn = _connection(fd, port)
+    if conn is not None:
+        with conn:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
