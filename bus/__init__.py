@@ -34,7 +34,8 @@ from offloop.bus.events import (
     Event,
     Topic,
 )
-from offloop.bus.publisher import DEFAULT_RETAINED, REFUSAL_KINDS, Publisher
+from offloop.bus.publisher import DEFAULT_RETAINED, Publisher
+from offloop.bus.publisher_stats import REFUSAL_KINDS
 from offloop.bus.subscriber import JoinState, Subscriber
 from offloop.bus.timestamp import Timestamp
 from offloop.bus.wire import Limits, Message, TensorFrame

@@ -53,14 +53,6 @@ DEFAULT_RETAINED = frozenset({
 })
 
 
-#: every kind of refusal a run's heartbeats may count (Publisher.refusals): the control
-#: server's, the state socket's, the events socket's
-REFUSAL_KINDS = ("control_malformed", "control_oversized", "control_unauthorized",
-                 "control_refused", "control_overflow", "control_stale", "control_connections",
-                 "state_malformed", "state_unauthorized", "state_connections", "events_foreign",
-                 "events_connections")
-
-
 class Publisher:
     """Publishes event snapshots for one run and rank; see the module docstring."""
 
@@ -100,11 +92,12 @@ class Publisher:
         self._append = self.held.appender(self.interest)  # the one way an event is held
         self.outbox = Outbox(EventEncoder(run_id, self.publisher_id, rank), limits, self.stats,
                              max_queued_bytes, heartbeat_interval)
-        self._refusal_sources: list[Callable[[], dict[str, int]]] = []
         self._service = PublisherService(
             interest=self.interest, held=self.held, outbox=self.outbox, stats=self.stats,
             encoder=EventEncoder(run_id, self.publisher_id, rank), limits=limits, curve=curve,
-            release=self.release, release_locked=self._release_locked, refusals=self.refusals)
+            release=self.release, release_locked=self._release_locked)
+        #: refusals() -> {kind: count}: what the run's sockets refused so far, as heartbeats say
+        self.refusals: Callable[[], dict[str, int]] = self._service.refusals
         self.late_join = self._service.late_join
         self._own_context = context is None
         self._ctx = context or zmq.Context()
@@ -136,22 +129,8 @@ class Publisher:
             self._ctx.term()
 
     def count_refusals(self, source: Callable[[], dict[str, int]]) -> None:
-        """Add what `source()` counts (kind -> refused so far; the control server's
-        `refusals`) to what heartbeats carry."""
-        self._refusal_sources.append(source)
-
-    def refusals(self) -> dict[str, int]:
-        """What the run's sockets refused from peers, by kind, those at 0 left out: this
-        publisher's and each source's. Every heartbeat carries it, so a worker's Prometheus
-        exporter serves it (`offloop_refused_total`)."""
-        stats = self.stats
-        counts = {"events_foreign": stats.foreign_messages, "state_malformed": stats.bad_requests,
-                  "state_unauthorized": stats.unauthorized,
-                  "state_connections": stats.state_connections_cut,
-                  "events_connections": stats.events_connections_cut}
-        for source in self._refusal_sources:
-            counts.update(source())
-        return {what: n for what, n in counts.items() if n}
+        """Heartbeats carry what `source()` counts too (the control server's `refusals`)."""
+        self._service.refusal_sources.append(source)
 
     @property
     def serving(self) -> bool:

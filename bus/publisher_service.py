@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -38,11 +39,12 @@ class PublisherService:
 
     def __init__(self, *, interest: Interest, held: HeldEvents, outbox: Outbox,
                  stats: PublisherStats, encoder: EventEncoder, limits: Limits, curve,
-                 release, release_locked, refusals) -> None:
+                 release, release_locked) -> None:
         self.interest, self.held, self.outbox, self.stats = interest, held, outbox, stats
         self.late_join = LateJoin(encoder, interest, held, outbox.lock, stats, limits, curve,
                                   release_locked, self.track, self.beat)
-        self._curve, self._release, self._refusals = curve, release, refusals
+        self._curve, self._release = curve, release
+        self.refusal_sources: list[Callable[[], dict[str, int]]] = []  # besides stats
         self._cut = threading.Event()  # the proxy thread's cue to drop every events connection
         self._revocation: RevocationCut | None = None
         self._threads: list[threading.Thread] = []
@@ -151,7 +153,7 @@ class PublisherService:
         with self.outbox.lock:
             self.stats.beats += 1
             self.outbox.beat(self.held.seq, self.held.tseq, self.stats.beats, final,
-                             self._refusals())
+                             self.refusals())
 
     def _tick(self) -> None:
         """Held events the loop has not released for a while (it is stuck in a data loader,
@@ -171,6 +173,14 @@ class PublisherService:
             if time.monotonic() >= deadline:
                 return True
             time.sleep(min(0.1, linger))
+
+    def refusals(self) -> dict[str, int]:
+        """What the run's sockets refused from peers so far, by kind: the publisher's and
+        each of `refusal_sources`', those at 0 left out."""
+        counts = self.stats.refusals()
+        for source in self.refusal_sources:
+            counts.update(source())
+        return {what: n for what, n in counts.items() if n}
 
     def _connections(self, _monitor: zmq.Socket) -> None:
         """Connections to the events and state sockets: past MAX_CONNECTIONS each, cut."""

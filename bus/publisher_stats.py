@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PublisherStats"]
+__all__ = ["PublisherStats", "REFUSAL_KINDS"]
+
+#: every kind of refusal a run's heartbeats may count (Publisher.refusals): the control
+#: server's, the state socket's, the events socket's; the Prometheus exporter serves each
+REFUSAL_KINDS = ("control_malformed", "control_oversized", "control_unauthorized",
+                 "control_refused", "control_overflow", "control_stale", "control_connections",
+                 "state_malformed", "state_unauthorized", "state_connections", "events_foreign",
+                 "events_connections")
 
 
 @dataclass
@@ -39,3 +46,10 @@ class PublisherStats:
     events_connections_cut: int = 0
     #: more than MAX_OPEN_PREFIXES open prefixes were subscribed at once, at some point
     prefix_overflow: bool = False
+
+    def refusals(self) -> dict[str, int]:
+        """What the state and events sockets refused, by kind."""
+        return {"state_malformed": self.bad_requests, "state_unauthorized": self.unauthorized,
+                "state_connections": self.state_connections_cut,
+                "events_foreign": self.foreign_messages,
+                "events_connections": self.events_connections_cut}
