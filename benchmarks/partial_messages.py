@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from helpers.raw_zmtp import hold_partial  # noqa: E402
+from proc_memory import rss_mib  # noqa: E402
 
 from offloop.bus import read_run_info  # noqa: E402
 from offloop.bus.wire import MAX_SUBSCRIPTION_BYTES, request_socket_cap  # noqa: E402
@@ -39,15 +40,6 @@ from offloop.bus.wire import MAX_SUBSCRIPTION_BYTES, request_socket_cap  # noqa:
 #: the largest message each socket admits (the partial one held is one byte short of it)
 CAPS = {"control": request_socket_cap(), "state": request_socket_cap(), "events": MAX_SUBSCRIPTION_BYTES}
 PEER_TYPE = {"control": b"DEALER", "state": b"DEALER", "events": b"SUB"}
-
-
-def rss_mib(pid: int, field: str = "VmRSS") -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key == field:
-                return int(value.split()[0]) / 1024
-    raise RuntimeError(f"no {field} for pid {pid}")
 
 
 def measure(count: int) -> dict:

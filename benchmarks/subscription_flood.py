@@ -25,17 +25,9 @@ import time
 from pathlib import Path
 
 import zmq
+from proc_memory import rss_mib
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def rss_mib(pid: int, field: str) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key == field:
-                return int(value.split()[0]) / 1024
-    raise RuntimeError(f"no {field} for pid {pid}")
 
 
 def main() -> None:

@@ -118,7 +118,8 @@ def check_topic(topic: str) -> None:
 
 def _valid_topic(topic: str) -> bool:
     return (isinstance(topic, str) and bool(topic) and "\0" not in topic
-            and not topic.startswith("_") and len(topic.encode(errors="replace")) <= MAX_TOPIC_BYTES)
+            and not topic.startswith("_")
+            and len(topic.encode(errors="replace")) <= MAX_TOPIC_BYTES)
 
 
 def _topics_for(subscriptions) -> frozenset[str]:

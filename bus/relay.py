@@ -159,7 +159,8 @@ class Relay:
             thread.start()
         return dict(self.endpoints)
 
-    def _public_socket(self, kind: int, name: str, max_connections: int, **options: int) -> zmq.Socket:
+    def _public_socket(self, kind: int, name: str, max_connections: int,
+                       **options: int) -> zmq.Socket:
         """A socket monitors connect to (a CURVE server with keys) and at most
         `max_connections` at once, bound; its endpoint kept."""
         sock = self._socket(kind, self.keys, **options)

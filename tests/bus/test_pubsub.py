@@ -880,9 +880,9 @@ def test_the_state_and_events_sockets_keep_at_most_max_connections_each_and_coun
         wait_until(lambda: publisher.refusals().get("state_connections") == 3
                    and publisher.refusals().get("events_connections") == 3, 15,
                    "three connections past the cap cut on each socket")
-        for name in held:  # libzmq closed the three it was told to shut down
-            wait_until(lambda: sum(map(is_closed, held[name])) == 3, 10, f"three {name} closed")
-            for conn in held[name]:
+        for name, conns in held.items():  # libzmq closed the three it was told to shut down
+            wait_until(lambda conns=conns: sum(map(is_closed, conns)) == 3, 10, f"three {name} closed")
+            for conn in conns:
                 conn.close()
         with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"]) as sub:
             assert sub.connect(join_timeout=10) is not None  # room again: served

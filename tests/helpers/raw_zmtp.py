@@ -53,7 +53,7 @@ def was_cut(conn: socket.socket, timeout: float = 5.0) -> bool:
         while conn.recv(4096):
             pass
         return True
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         return False
     except OSError:  # reset
         return True
