@@ -286,8 +286,10 @@ start_service() {
     fi
   fi
   rm -f "$SOCK"
+  # from /: conmon starts each container from the service's working directory, and a
+  # caller's (a CI clone) may be deleted while the service lives on ("write child: broken pipe")
   CONTAINERS_CONF=$CONTAINERS_CONF CONTAINERS_STORAGE_CONF=$CONTAINERS_STORAGE_CONF \
-    setsid nohup podman system service --time=0 "unix://$SOCK" \
+    setsid nohup env -C / podman system service --time=0 "unix://$SOCK" \
       >"$STATE_DIR/service.log" 2>&1 </dev/null 9>&- &  # 9: the lock stays ours
   echo $! >"$STATE_DIR/service.pid"
   for i in $(seq 1 60); do
@@ -298,8 +300,16 @@ start_service() {
   done
   die "podman system service did not answer on $SOCK within 30s (see $STATE_DIR/service.log)"
 }
+# a service whose working directory was deleted answers pings but starts no container
+service_cwd_gone() {
+  [ -f "$STATE_DIR/service.pid" ] \
+    && readlink "/proc/$(cat "$STATE_DIR/service.pid")/cwd" 2>/dev/null | grep -q ' (deleted)$'
+}
 if [ -n "$CONF_CHANGED" ] && [ -f "$STATE_DIR/service.pid" ]; then
   log "containers.conf changed: restarting the service"
+  timed "podman service restart" start_service
+elif service_cwd_gone; then
+  log "the service's working directory was deleted: restarting the service"
   timed "podman service restart" start_service
 elif ! ping_sock; then
   timed "podman service start" start_service
