@@ -60,7 +60,7 @@ def measure(count: int) -> dict:
             endpoints = read_run_info(tmp).endpoints
             time.sleep(2)  # past start-up's allocations
             before = rss_mib(pid)
-            steps_before = _steps(tmp)
+            steps_before, _ = _steps(tmp)
             for name in ("control", "state", "events"):
                 conns += [hold_partial(endpoints[name], PEER_TYPE[name], CAPS[name])
                           for _ in range(count)]
@@ -69,7 +69,7 @@ def measure(count: int) -> dict:
             for conn in conns:  # the probe below needs a place
                 conn.close()
             steps, refused = _steps(tmp)
-            steps -= steps_before[0]
+            steps -= steps_before
         finally:
             for conn in conns:
                 conn.close()

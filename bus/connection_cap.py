@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable
 
@@ -26,6 +27,9 @@ __all__ = ["ConnectionCap", "MAX_CONNECTIONS"]
 #: connections at once on each of a run's sockets (a run's workers, monitors and clients
 #: need a few dozen; a relay fans out to more)
 MAX_CONNECTIONS = 128
+#: seconds between looks at whether the connections counted are all still open, while
+#: the cap is reached (a look costs a few system calls a connection)
+_RECOUNT = 1.0
 
 
 class ConnectionCap:
@@ -46,6 +50,7 @@ class ConnectionCap:
         self.monitor.connect(endpoint)
         self.live: set[int] = set()  # the descriptors of the connections in force
         self.cut = 0  # connections shut down because `cap` were already open
+        self._recounted = 0.0  # monotonic time of the last look
 
     def take(self, _monitor: zmq.Socket | None = None) -> None:
         """Take in the monitor's events (a poll handler)."""
@@ -54,8 +59,8 @@ class ConnectionCap:
             kind, fd = event["event"], event["value"]
             if kind == zmq.EVENT_ACCEPTED:
                 port = _port(event["endpoint"])
-                if len(self.live) >= self.cap:  # first, forget any that ended unseen
-                    self.live = {live for live in self.live if _accepted_on(live, port)}
+                if len(self.live) >= self.cap:
+                    self._recount(port)
                 if len(self.live) < self.cap:
                     self.live.add(fd)
                 else:
@@ -65,6 +70,14 @@ class ConnectionCap:
                 self.live.discard(fd)
             elif self._on_event is not None:
                 self._on_event(event)
+
+    def _recount(self, port: int | None) -> None:
+        """Forget any connection that ended unseen (the monitor's pipe loses no event, so
+        this is a guard): at most once every _RECOUNT seconds, not at every connection cut."""
+        now = time.monotonic()
+        if now - self._recounted >= _RECOUNT:
+            self._recounted = now
+            self.live = {fd for fd in self.live if _accepted_on(fd, port)}
 
     def close(self) -> None:
         self.monitor.close(linger=0)

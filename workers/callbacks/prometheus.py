@@ -311,7 +311,7 @@ class PrometheusExporter(Callback):
             # the worker's counts cover every event it received, not only those handled here
             view.events = max(view.events + 1, state.events_received)
             view.gaps, view.drops = state.gaps, state.publisher_drops
-            view.refused = dict(state.publisher_refused)
+            view.refused = state.publisher_refused  # a FrozenDict: replaced, never changed
             view.last_event_time = state.wall_time
             view.checkpoints += checkpoint
             if control_op is not None:
