@@ -26,6 +26,7 @@ from offloop.bus.errors import (
 from offloop.bus.events import (
     AWAITS,
     CHECKPOINT_SAVED,
+    CHECKPOINT_TAKEN,
     CONTROL_REQUEST,
     DECISION_EVENTS,
     EVENT_TOPICS,
@@ -45,6 +46,7 @@ __all__ = [
     "Ack",
     "BusError",
     "CHECKPOINT_SAVED",
+    "CHECKPOINT_TAKEN",
     "CONTROL_REQUEST",
     "ControlClient",
     "ControlRequest",

@@ -87,6 +87,11 @@ class ControlRequest:
     def refuse(self, error: str, **result: Any) -> None:
         self._server._answer(self, ok=False, result=result, error=error)
 
+    def taken(self, **result: Any) -> None:
+        """Not the answer: the request is applied and its answer follows (a checkpoint's
+        state is copied, its file being written). Sent now, and to any retry until the ack."""
+        self._server._taken(self, result)
+
 
 @dataclass(frozen=True)
 class Ack:
@@ -169,6 +174,8 @@ class ControlServer:
         # at most this many requests (and bytes of them) wait for the trainer; more are refused
         self._max_queued, self._max_queued_bytes = max_queued, max_queued_bytes
         self._pending_bytes: dict[tuple[str, int], int] = {}
+        # the `taken` note of each pending request that has one (sent again to a retry)
+        self._taken_notes: dict[tuple[str, int], bytes] = {}
         self._queued_bytes = 0
         # acks kept for retries: the trainer's answers (ok true), and apart from them every
         # refusal, the trainer's and the server's (so no number of refusals ever pushes out an
@@ -238,6 +245,15 @@ class ControlServer:
     def _answer(self, request: ControlRequest, ok: bool, result: dict, error: str | None) -> None:
         body = encode_reply("ack", client=request.client, req=request.req, op=request.op, ok=ok,
                             result=result, error=error)
+        self._send_to_client(request, body, ok)
+
+    def _taken(self, request: ControlRequest, result: dict) -> None:
+        body = encode_reply("taken", client=request.client, req=request.req, op=request.op,
+                            result=result)
+        self._send_to_client(request, body, None)
+
+    def _send_to_client(self, request: ControlRequest, body: bytes, ok: bool | None) -> None:
+        """Queue a reply for the server thread (ok None: a `taken` note, not the answer)."""
         self._outbox.append((request, body, ok))
         with self._wake_lock:
             try:
@@ -293,6 +309,13 @@ class ControlServer:
             alive = wake.recv() != b"stop" and alive
         while self._outbox:
             request, body, ok = self._outbox.popleft()
+            if ok is None:  # taken: the request stays pending; a retry gets this note again
+                self._taken_notes[request.key] = body
+                envelope = self._pending.get(request.key)
+                if envelope is not None:
+                    router.send_multipart([*envelope, body])
+                continue
+            self._taken_notes.pop(request.key, None)
             envelope = self._pending.pop(request.key, None)
             self._queued_bytes -= self._pending_bytes.pop(request.key, 0)
             self._remember(self._acks if ok else self._refusals, request.key, body)
@@ -354,6 +377,9 @@ class ControlServer:
         if key in self._pending:
             self.stats.duplicates += 1
             self._pending[key] = envelope  # the ack goes to the latest attempt
+            note = self._taken_notes.get(key)
+            if note is not None:
+                router.send_multipart([*envelope, note])
             return
         if request.req <= max(self._answered.get(request.client, -math.inf),
                               self._refused.get(request.client, -math.inf)):

@@ -8,6 +8,7 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -54,8 +55,11 @@ class ControlClient:
         return self
 
     def request(self, op: str, args: dict[str, Any] | None = None, *, timeout: float = 30.0,
-                retry: float = 0.5, req: int | None = None) -> Ack:
-        """Send until acknowledged; raises ControlTimeout after `timeout` seconds."""
+                retry: float = 0.5, req: int | None = None,
+                on_taken: Callable[[dict[str, Any]], None] | None = None) -> Ack:
+        """Send until acknowledged; raises ControlTimeout after `timeout` seconds.
+        `on_taken(result)` is called once if the trainer says the request is applied before
+        its answer (a checkpoint's state copied, its file being written)."""
         req = next(self._ids) if req is None else req
         # the args each op must carry (a halt's reason, a checkpoint's tag) default to "", so
         # that what this client sends is always a valid request
@@ -78,6 +82,12 @@ class ControlClient:
                     reply = decode_reply(sock.recv(), self.limits)
                     if reply["k"] == "error":
                         raise WireError(f"control server refused the message: {reply['error']}")
+                    if reply["k"] == "taken" and (reply["client"], reply["req"]) == (
+                            self.client_id, req):
+                        if on_taken is not None:
+                            on_taken(reply["result"])
+                            on_taken = None
+                        continue
                     if (reply["k"] == "ack"
                             and (reply["client"], reply["req"]) == (self.client_id, req)):
                         return Ack(reply["client"], reply["req"], reply["op"], reply["ok"],

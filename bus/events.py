@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["Event", "Topic", "EVENT_TOPICS", "CHECKPOINT_SAVED", "CONTROL_REQUEST", "GRAD_NORMS",
-           "RUN_TOPICS", "AWAITS", "DECISION_EVENTS"]
+__all__ = ["Event", "Topic", "EVENT_TOPICS", "CHECKPOINT_SAVED", "CHECKPOINT_TAKEN",
+           "CONTROL_REQUEST", "GRAD_NORMS", "RUN_TOPICS", "AWAITS", "DECISION_EVENTS"]
 
 
 class Event(str, Enum):
@@ -90,8 +90,13 @@ for _event in Event:
     setattr(Topic, _event.name, _event.value)
 del _event
 
-#: Published by the trainer when it has written a checkpoint (not a Composer event).
+#: Published by the trainer when a checkpoint's file is durable (not a Composer event).
 CHECKPOINT_SAVED = "checkpoint_saved"
+
+#: Published by the trainer when it has taken a checkpoint: the state of that step copied,
+#: its file still being written (checkpoint_saved follows, or the request's refusal). A
+#: worker keeps its callbacks' state of this moment for the file (workers/callback_state.py).
+CHECKPOINT_TAKEN = "checkpoint_taken"
 
 #: Published by the trainer for each control request it reads (op, client, args, step).
 CONTROL_REQUEST = "control_request"
@@ -105,7 +110,7 @@ GRAD_NORMS = "grad_norms"
 
 #: Every topic a trainer publishes unasked; a subscription to "everything" means these.
 EVENT_TOPICS: tuple[str, ...] = tuple(e.value for e in Event)
-RUN_TOPICS: tuple[str, ...] = EVENT_TOPICS + (CHECKPOINT_SAVED, CONTROL_REQUEST)
+RUN_TOPICS: tuple[str, ...] = EVENT_TOPICS + (CHECKPOINT_TAKEN, CHECKPOINT_SAVED, CONTROL_REQUEST)
 
 #: The data key of an event at which the trainer waits for some of its workers to decide
 #: (`Callback.decides_on`): {"id": n, "workers": [index, ...]}; each worker named answers

@@ -21,6 +21,7 @@ import torch
 
 from offloop.bus import ControlRequest, Timestamp
 from offloop.bus.discovery import fsync_folder, remove_stale_temporaries
+from offloop.trainer.checkpoint_writer import BackgroundWriter, HostCopy, Write
 from offloop.trainer.errors import CheckpointError
 
 __all__ = [
@@ -200,14 +201,17 @@ class Checkpointer:
     order's place too: the RNG state each epoch's order is drawn from (`epoch_batches()`)
     and, after `restore()`, the batches of that epoch already trained."""
 
-    writes_in_loop = True  # Control writes requested checkpoints through it as they come
+    writes_in_loop = True  # Control takes requested checkpoints through it as they come
+    writes_for_all_ranks = True  # rank 0 writes the file; the other ranks take part only
 
     def __init__(
         self, parts: Parts, agreement, folder: Path, *, rank: int, seed: int, run_name: str
     ) -> None:
         self.parts, self.agreement, self.folder = parts, agreement, folder
         self.rank, self.seed, self.run_name = rank, seed, run_name
-        self.written: list[str] = []
+        self.written: list[str] = []  # durable, in order
+        self.writer = BackgroundWriter()
+        self._host = HostCopy()  # the host buffers each checkpoint's state is copied into
         self.epoch_rng: dict | None = None  # the RNG state this epoch's data order is drawn from
         self._resume_batches = 0  # batches of the restored epoch already trained
         if rank == 0:
@@ -227,13 +231,26 @@ class Checkpointer:
         self._resume_batches = 0
         return iterator
 
-    def write_requested(self, ts: Timestamp, requests: list[ControlRequest]) -> tuple[Path, str]:
-        """A checkpoint of step `ts` named as `requests` ask (requested_name())."""
-        return self.write(ts, *requested_name(requests))
+    def take_requested(
+        self, ts: Timestamp, requests: list[ControlRequest]
+    ) -> tuple[Path, str, Write | None]:
+        """A checkpoint of step `ts` named as `requests` ask (requested_name()), taken now."""
+        return self.take(ts, *requested_name(requests))
 
     def write(self, ts: Timestamp, tag: str, filename: str | None) -> tuple[Path, str]:
-        """The file written and the tag rank 0 gave it (under torchrun the other ranks
-        hold no request and learn the name and tag from rank 0)."""
+        """take() and wait until the file is durable: (the file, its tag)."""
+        path, tag, write = self.take(ts, tag, filename)
+        if write is not None:
+            self.durable(write)
+        return path, tag
+
+    def take(self, ts: Timestamp, tag: str, filename: str | None) -> tuple[Path, str, Write | None]:
+        """Take a checkpoint of step `ts`: its state copied to host memory now, written in
+        the background (checkpoint_writer.py). The file, the tag rank 0 gave it (under
+        torchrun the other ranks hold no request and learn both from rank 0), and rank 0's
+        Write (None on the other ranks: they write nothing). A write still in flight is
+        waited for first: one at a time (the caller answers it before, Control.take)."""
+        self.writer.wait()
         name = filename or step_name(ts, tag)
         taken = ""  # why rank 0 cannot use the name: a file of that name exists
         if self.rank == 0:
@@ -246,28 +263,31 @@ class Checkpointer:
         if taken:
             raise CheckpointError(taken)
         path = self.folder / name
-        if self.rank == 0:
-            parts = self.parts
-            save_checkpoint(
-                path,
-                {
-                    "format": FORMAT,
-                    "model": parts.model.state_dict(),
-                    "optimizers": [o.state_dict() for o in parts.optimizers],
-                    "schedulers": [s.state_dict() for s in parts.schedulers],
-                    "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
-                    "algorithms": [
-                        a.state_dict() if hasattr(a, "state_dict") else {} for a in parts.algorithms
-                    ],
-                    "timestamp": ts.state_dict(),
-                    "rng": [state[2] for state in states],  # every rank's, by rank
-                    "epoch_rng": [state[3] for state in states],
-                    "seed": self.seed,
-                    "run_name": self.run_name,
-                },
-            )
-            self.written.append(str(path))
-        return path, tag
+        if self.rank != 0:
+            return path, tag, None
+        parts = self.parts
+        payload, ready = self._host.copy({
+            "format": FORMAT,
+            "model": parts.model.state_dict(),
+            "optimizers": [o.state_dict() for o in parts.optimizers],
+            "schedulers": [s.state_dict() for s in parts.schedulers],
+            "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+            "algorithms": [
+                a.state_dict() if hasattr(a, "state_dict") else {} for a in parts.algorithms
+            ],
+            "timestamp": ts.state_dict(),
+            "rng": [state[2] for state in states],  # every rank's, by rank
+            "epoch_rng": [state[3] for state in states],
+            "seed": self.seed,
+            "run_name": self.run_name,
+        })
+        return path, tag, self.writer.submit(path, payload, ready, save_checkpoint)
+
+    def durable(self, write: Write) -> Path:
+        """Wait until `write` is on disk (raises its CheckpointError) and list it as written."""
+        path = write.result()
+        self.written.append(str(path))
+        return path
 
     def restore(self, path: str | os.PathLike) -> Timestamp:
         """Load a checkpoint into the parts, this rank's RNGs and the data order's place
@@ -305,9 +325,13 @@ class HostCheckpointer:
         self.save, self.agreement, self.folder = save, agreement, folder
         self.rank, self.suffix = rank, suffix
         self.writes_in_loop = save is not None
+        self.writes_for_all_ranks = False  # every rank saves its own before take_requested returns
         self.written: list[str] = []
 
-    def write_requested(self, ts: Timestamp, requests: list[ControlRequest]) -> tuple[Path, str]:
+    def take_requested(
+        self, ts: Timestamp, requests: list[ControlRequest]
+    ) -> tuple[Path, str, None]:
+        """Written before it returns (the host trainer's own save): no Write to wait for."""
         if self.save is None:  # only after the fit (answer_late): the host trainer no longer saves
             raise CheckpointError("the run has finished: this trainer saves only while it trains")
         tag, filename = requested_name(requests)
@@ -325,7 +349,7 @@ class HostCheckpointer:
         except Exception as exc:  # a full disk, a refused path: refused, training goes on
             raise CheckpointError(f"checkpoint {name} could not be written: {exc}") from exc
         self.written.append(str(path))
-        return Path(path), tag
+        return Path(path), tag, None
 
 
 def _restore_algorithms(algorithms: list, states: list, path: str | os.PathLike) -> None:

@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offloop.bus import CHECKPOINT_SAVED, CONTROL_REQUEST, ControlRequest, ControlServer, Timestamp
+from offloop.bus import (
+    CHECKPOINT_SAVED,
+    CHECKPOINT_TAKEN,
+    CONTROL_REQUEST,
+    ControlRequest,
+    ControlServer,
+    Timestamp,
+)
 from offloop.trainer.checkpoint import check_filename
 from offloop.trainer.distributed import ControlAgreement
 from offloop.trainer.errors import CheckpointError, TrainerError
@@ -21,11 +30,27 @@ __all__ = ["Control"]
 log = logging.getLogger("offloop.trainer")
 
 
+@dataclass
+class _Taken:
+    """A checkpoint taken and not yet answered: its file is being written (rank 0), or
+    rank 0 has not yet said it is durable (the other ranks)."""
+
+    requests: list[ControlRequest]
+    where: str
+    ts: Timestamp  # the step the file holds
+    path: Path
+    tag: str
+    write: Any  # rank 0's checkpoint_writer.Write; None where it is written already or elsewhere
+    ordinal: int  # this run's takes, counted from 1 on every rank alike
+
+
 class Control:
-    """What has been asked of the run, and how far the run is in answering it. It writes
-    the checkpoints asked for through `checkpointer` (`write_requested(ts, requests)` ->
-    (path, tag); `writes_in_loop`: whether it writes while the loop runs, or the host
-    trainer saves later, hooked_run.py) and publishes on `emitter`."""
+    """What has been asked of the run, and how far the run is in answering it. It takes
+    the checkpoints asked for through `checkpointer` (`take_requested(ts, requests)` ->
+    (path, tag, Write or None), `durable(write)`; `writes_in_loop`: whether it takes them
+    while the loop runs, or the host trainer saves later, hooked_run.py) and publishes on
+    `emitter`. A checkpoint is answered (ack, checkpoint_saved) once its file is durable;
+    its `taken` reply and checkpoint_taken go out when its state has been copied."""
 
     def __init__(
         self,
@@ -55,6 +80,15 @@ class Control:
         self.given_up = 0  # requests dropped unapplied: their clients had stopped waiting
         self.outlived = 0  # requests dropped unapplied: they arrived before this fit began
         self.fit = 0  # the fits begun: the one running, or the last
+        self.writing: deque[_Taken] = deque()  # taken, not yet answered (at most one on rank 0)
+        self.takes = 0  # checkpoints taken so far
+        self.settled = 0  # of them, answered: durable or refused (on the other ranks: rank 0's)
+        # rank 0 writes every rank's checkpoint (the Trainer's): the others answer theirs only
+        # once rank 0 has said its file is durable; a host trainer saves on every rank itself
+        self._rank = checkpointer.rank if checkpointer.writes_for_all_ranks else 0
+        #: seconds each of the latest checkpoints held the training thread (waiting for the
+        #: write before it, the collective, copying the state): benchmarks/checkpoint_stall.py
+        self.stalls: deque[float] = deque(maxlen=256)
 
     # ------------------------------------------------------------ per batch
 
@@ -66,6 +100,7 @@ class Control:
             self.halts
             or self.checkpoints
             or self.sigterm
+            or self.writing
             or self.agreement.active
             or (server is not None and server.inbox)
         ):
@@ -128,9 +163,12 @@ class Control:
                 continue
             self.checkpoints.append(request)
         sigterm_checkpoint = int(self.sigterm and self.checkpoint_on_sigterm)
-        halt, due = self.agreement.agree(
-            bool(self.halts) or self.sigterm, len(self.checkpoints) + sigterm_checkpoint
+        halt, due, settled = self.agreement.agree(
+            bool(self.halts) or self.sigterm,
+            len(self.checkpoints) + sigterm_checkpoint,
+            self.settled if self._rank == 0 else 0,  # the others learn rank 0's
         )
+        self._answer_durable(ts, settled)
         if halt:
             self.stop = True  # applied: no batch after this one trains, on any rank
             for request in self.halts:
@@ -162,40 +200,95 @@ class Control:
 
     def _save(self, where: str, due: list[list[ControlRequest]], ts: Timestamp) -> None:
         for requests in due:
+            began = time.perf_counter()
+            self.wait_durable(ts)  # one write at a time: the one in flight is answered first
             try:
-                path, tag = self.checkpointer.write_requested(ts, requests)
+                path, tag, write = self.checkpointer.take_requested(ts, requests)
             except CheckpointError as exc:
                 self.checkpoint_refused(requests, exc, ts)
-            else:
-                self.checkpoint_saved(requests, path, tag, where, ts)
+                continue
+            finally:
+                self.stalls.append(time.perf_counter() - began)
+            self.takes += 1
+            self.sigterm_saved = self.sigterm_saved or self.sigterm  # taken: never taken twice
+            self.writing.append(_Taken(requests, where, ts, path, tag, write, self.takes))
+            for request in requests:
+                request.taken(path=str(path), step=ts.batch, event=where)
+            self._emit(CHECKPOINT_TAKEN, ts.as_tuple(), self._about(path, tag, where, ts, requests))
+        self._answer_durable(ts)
         self._release()
+
+    def _answer_durable(self, ts: Timestamp, settled: int | None = None) -> None:
+        """Answer the checkpoints whose files are durable (or failed) by now, in order: on
+        rank 0 those its writer has finished; on the others those rank 0 has answered
+        (`settled`, from the agreement)."""
+        writing = self.writing
+        while writing:
+            taken = writing[0]
+            if self._rank != 0:
+                if settled is None or taken.ordinal > settled:
+                    return
+            elif taken.write is not None and not taken.write.done():
+                return
+            writing.popleft()
+            self.settled += 1
+            try:
+                if taken.write is not None:
+                    self.checkpointer.durable(taken.write)
+            except CheckpointError as exc:
+                self.checkpoint_refused(taken.requests, exc, taken.ts)
+            else:
+                self.checkpoint_saved(taken.requests, taken.path, taken.tag, taken.where,
+                                      taken.ts, now=ts)
+
+    def wait_durable(self, ts: Timestamp) -> None:
+        """Rank 0: until the write in flight is durable (or failed), then answer it; the
+        other ranks go on (their answers follow rank 0's, poll())."""
+        if self._rank == 0:
+            for taken in self.writing:
+                if taken.write is not None:
+                    taken.write.wait()
+            self._answer_durable(ts)
+
+    def finish_writes(self, ts: Timestamp, *, agree: bool = True) -> None:
+        """The fit has ended (or the run closes): every checkpoint taken is durable and
+        answered before this returns. Under torchrun, with `agree` (every rank reaches this
+        point at the same batch), one more agreement tells the other ranks which of rank
+        0's files are durable; without it (an exception unwinds the fit) they drop what
+        they still owe, said in the log."""
+        self.wait_durable(ts)
+        if self.agreement.active and agree and self.checkpointer.writes_for_all_ranks:
+            _, _, settled = self.agreement.agree(False, 0, self.settled if self._rank == 0 else 0)
+            self._answer_durable(ts, settled)
+        if self.writing:
+            log.warning("offloop: %d checkpoint_saved event(s) not published on rank %d: the fit "
+                        "ended by an error before rank 0 said its files were durable",
+                        len(self.writing), self._rank)
+            self.writing.clear()
 
     def serve(self, where: str, ts: Timestamp) -> None:
         """While the loop waits at a decision (trainer/decisions.py): a halt is applied, a
-        checkpoint written now."""
+        checkpoint taken now, one whose file became durable answered."""
         self.poll(ts)
         self.save_due(where, ts)
+        self._answer_durable(ts)
 
-    def checkpoint_saved(
-        self, requests: list[ControlRequest], path: Path, tag: str, where: str, ts: Timestamp
-    ) -> None:
-        """Ack the requests with the file written and publish checkpoint_saved."""
+    def checkpoint_saved(self, requests: list[ControlRequest], path: Path, tag: str, where: str,
+                         ts: Timestamp, now: Timestamp | None = None) -> None:
+        """Ack the requests with the durable file of step `ts` and publish checkpoint_saved
+        (at `now`, when it became durable, if later)."""
         self.sigterm_saved = self.sigterm_saved or self.sigterm
         for request in requests:
             request.ack(path=str(path), step=ts.batch, event=where)
         self.saves += 1
-        self._emit(
-            CHECKPOINT_SAVED,
-            ts.as_tuple(),
-            {
-                "path": str(path),
-                "step": ts.batch,
-                "tag": tag,
-                "event": where,
-                "requested_by": [[r.client, r.req] for r in requests],
-                "count": self.saves,
-            },
-        )
+        self._emit(CHECKPOINT_SAVED, (now or ts).as_tuple(),
+                   {**self._about(path, tag, where, ts, requests), "count": self.saves})
+
+    @staticmethod
+    def _about(path: Path, tag: str, where: str, ts: Timestamp,
+               requests: list[ControlRequest]) -> dict[str, Any]:
+        return {"path": str(path), "step": ts.batch, "tag": tag, "event": where,
+                "requested_by": [[r.client, r.req] for r in requests]}
 
     def checkpoint_refused(
         self, requests: list[ControlRequest], exc: CheckpointError, ts: Timestamp
@@ -252,6 +345,7 @@ class Control:
         for request in self.server.poll():
             if request.op == "checkpoint" and self.saves_after_fit:
                 self._save("after_fit", [[request]], ts)
+                self.wait_durable(ts)  # no loop left to keep going: answered once durable
             else:
                 request.refuse("the run has finished", step=ts.batch)
 

@@ -70,7 +70,8 @@ def reachable(endpoint: str, master: str | None = None) -> str:
 
 
 class ControlAgreement:
-    """Agrees on (halt, checkpoints to save) with one all-reduce (MAX) of a small CPU tensor.
+    """Agrees on (halt, checkpoints to save, rank 0's durable checkpoints) with one
+    all-reduce (MAX) of a small CPU tensor.
 
     Rank 0 holds the control requests, but any rank may have reasons of its own (a
     SIGTERM delivered to that rank alone): whatever one rank asks for, every rank does,
@@ -83,14 +84,17 @@ class ControlAgreement:
         self.active = is_distributed() and dist.get_world_size() > 1
         if self.active:
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-            self._flags = torch.zeros(2, dtype=torch.int64)
+            self._flags = torch.zeros(3, dtype=torch.int64)
 
-    def agree(self, halt: bool, checkpoints: int) -> tuple[bool, int]:
+    def agree(self, halt: bool, checkpoints: int, durable: int = 0) -> tuple[bool, int, int]:
+        """(any rank halts, the most checkpoints any rank asks for, the highest `durable`):
+        rank 0 passes how many of its checkpoints are answered, the others 0, so every rank
+        learns when rank 0's files are on disk (it writes them in the background)."""
         if not self.active:
-            return halt, checkpoints
-        self._flags[0], self._flags[1] = int(halt), checkpoints
+            return halt, checkpoints, durable
+        self._flags[0], self._flags[1], self._flags[2] = int(halt), checkpoints, durable
         dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(self._flags[0]), int(self._flags[1])
+        return bool(self._flags[0]), int(self._flags[1]), int(self._flags[2])
 
     def gather(self, obj):
         """Every rank's `obj`, on every rank (used only on checkpoint steps)."""

@@ -216,13 +216,14 @@ class Trainer:
         self._check_open("fit")
         self.max_duration = arguments.fit_duration(duration, self.max_duration,
                                                    self.train_dataloader)
-        services = self.services
+        services, completed = self.services, False
         services.begin_fit()
         try:
             self._fit_loop()
             self.controller.end_loop(self.timestamp)  # a SIGTERM's checkpoint, if still owed
-        finally:
-            services.end_fit(self.timestamp, wait_for_progress_bars=True)
+            completed = True
+        finally:  # returns once every checkpoint taken is durable
+            services.end_fit(self.timestamp, wait_for_progress_bars=True, completed=completed)
         if self.controller.sigterm:
             self.close()
             raise SystemExit(128 + signal.SIGTERM)
@@ -385,7 +386,8 @@ class Trainer:
         self.controller.request_halt(reason)
 
     def save_checkpoint(self, tag: str = "", filename: str | None = None) -> Path:
-        """Write a checkpoint now (rank 0 writes; every rank must call it at the same step)."""
+        """Write a checkpoint now, returned once durable (rank 0 writes; every rank must call
+        it at the same step); a requested one still being written is finished first."""
         return self._checkpointer.write(self.timestamp, tag, filename)[0]
 
     # --------------------------------------------------------------------- eval

@@ -228,13 +228,15 @@ class Callback:
         """Ask the trainer for a checkpoint; returns the ack (with `path` and `step`)."""
         return self._ask("checkpoint", {"tag": tag})
 
-    def _ask(self, op: str, args: dict[str, Any]) -> Ack:
+    def _ask(self, op: str, args: dict[str, Any], on_taken=None) -> Ack:
+        """The ack of `op`; `on_taken(result)` once the trainer has taken a checkpoint (its
+        state copied), before the ack says the file is durable."""
         if self._control is None:
             raise NotAttachedError(
                 f"{type(self).__name__}.{'halt' if op == 'halt' else 'request_checkpoint'}() "
                 "needs a worker connected to a run (offloop worker, or Trainer(callbacks=[...]))"
             )
-        return self._control.request(op, args, timeout=self.control_timeout)
+        return self._control.request(op, args, timeout=self.control_timeout, on_taken=on_taken)
 
     # ------------------------------------------------------------ subscribing
 

@@ -1,7 +1,8 @@
 """Callbacks' own state across a resume: Composer saves each callback's `state_dict()` in
 its checkpoints; here the trainer never holds callback state, so each worker keeps it
 itself, in a sidecar file beside every checkpoint: `<checkpoint>.callbacks-<worker>.json`,
-written (atomically) when the worker sees `checkpoint_saved`, read when it sees
+the states as they were at `checkpoint_taken` (the step the checkpoint holds), written
+(atomically) when the worker sees `checkpoint_saved` (the file durable), read when it sees
 `after_load` of a Trainer resuming from that checkpoint. Only halt and checkpoint requests
 travel back to the trainer.
 
@@ -20,7 +21,7 @@ from typing import Any
 from offloop.bus import Timestamp
 from offloop.bus.discovery import write_json_atomically
 
-__all__ = ["stateful", "sidecar", "save_states", "load_states", "FORMAT"]
+__all__ = ["stateful", "sidecar", "capture_states", "save_states", "load_states", "FORMAT"]
 
 FORMAT = "offloop-callback-state-1"
 _TIMESTAMP = "__offloop_timestamp__"
@@ -59,14 +60,15 @@ def _decode(value: Any) -> Any:
     return value
 
 
-def save_states(checkpoint: str, worker: int, callbacks: list, warned: set) -> Path | None:
-    """Write the callbacks' states beside `checkpoint`; None if its folder is gone."""
+def capture_states(callbacks: list, warned: set) -> list[dict[str, Any]]:
+    """The callbacks' states now, as the JSON entries of a sidecar (taken when the trainer
+    takes a checkpoint, written once its file is durable)."""
     entries = []
     for position, callback in enumerate(callbacks):
         name = type(callback).__name__
         try:
-            state = _encode(callback.state_dict())
-            json.dumps(state, allow_nan=True)
+            # checked, and copied: what the callback changes after this moment is not saved
+            state = json.loads(json.dumps(_encode(callback.state_dict()), allow_nan=True))
         except Exception as exc:
             if name not in warned:
                 warned.add(name)
@@ -76,6 +78,11 @@ def save_states(checkpoint: str, worker: int, callbacks: list, warned: set) -> P
             continue
         if state:
             entries.append({"position": position, "name": name, "state": state})
+    return entries
+
+
+def save_states(checkpoint: str, worker: int, entries: list[dict[str, Any]]) -> Path | None:
+    """Write captured states (capture_states()) beside `checkpoint`; None if its folder is gone."""
     path = sidecar(checkpoint, worker)
     if not path.parent.is_dir():
         return None

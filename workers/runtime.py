@@ -46,6 +46,9 @@ __all__ = ["CallbackRuntime", "Worker", "WorkerStats", "serve_trainer_callbacks"
            "StopTrainingError"]
 
 PROGRESS_EVERY = 1.0  # seconds between a spawned worker's progress reports to its trainer
+#: checkpoints taken whose callbacks' states a worker holds until the file is durable (one
+#: is written at a time; a refused one is never answered by checkpoint_saved)
+_KEEP_TAKEN_STATES = 4
 
 
 @dataclass
@@ -121,6 +124,7 @@ class CallbackRuntime:
         # callbacks whose state_dict() is kept beside each checkpoint (a worker the trainer started)
         self._stateful = index is not None and callback_state.stateful(self.callbacks)
         self._state_warned: set[str] = set()
+        self._taken_states: dict[str, list] = {}  # checkpoint path -> callbacks' states when taken
         # what dispatch() needs of each callback, looked up once: (index, callback, the
         # topics it handles or None for all, its time counters)
         self._dispatch = [(index, callback, _wanted(callback), self.stats.seconds[key])
@@ -140,7 +144,7 @@ class CallbackRuntime:
                 return None
             wanted |= topics | _decision_topics(callback)
         if self._stateful:
-            wanted |= {"after_load", "checkpoint_saved"}
+            wanted |= {"after_load", "checkpoint_taken", "checkpoint_saved"}
         return frozenset(wanted)
 
     def connect(self) -> None:
@@ -277,11 +281,20 @@ class CallbackRuntime:
                 self._failed(index, callback, topic)
             finally:
                 spent[topic] = spent.get(topic, 0.0) + clock() - start
+        if self._stateful and topic == "checkpoint_taken" and msg.data.get("path"):
+            # the states of the step the checkpoint holds; at most a few files are in flight
+            self._taken_states[msg.data["path"]] = callback_state.capture_states(
+                self.callbacks, self._state_warned)
+            while len(self._taken_states) > _KEEP_TAKEN_STATES:
+                self._taken_states.pop(next(iter(self._taken_states)))
         if self._stateful and topic == "checkpoint_saved" and msg.data.get("path"):
             path = msg.data["path"]
+            entries = self._taken_states.pop(path, None)
+            if entries is None:  # joined after it was taken: the states now are the nearest
+                entries = callback_state.capture_states(self.callbacks, self._state_warned)
             for callback in self.callbacks:  # a CheckpointSaver with a folder of its own has moved it
                 path = getattr(callback, "moved_checkpoints", {}).get(path, path)
-            callback_state.save_states(path, self.index, self.callbacks, self._state_warned)
+            callback_state.save_states(path, self.index, entries)
         self.logger.commit()  # this event's metrics, one call per step to each destination
         if awaited is not None:
             writer.set(decision_awaited=False)

@@ -40,6 +40,8 @@ REPLY_SCHEMAS: dict[str, dict[str, Any]] = {
               "config": dict, "entries": list},
     "info": {"k": str, "run": dict},
     "ack": {"k": str, "client": str, "req": int, "op": str, "ok": bool, "result": dict},
+    # a checkpoint's state is copied and its file being written: the ack follows when durable
+    "taken": {"k": str, "client": str, "req": int, "op": str, "result": dict},
     "error": {"k": str, "error": str},
 }
 

@@ -442,7 +442,7 @@ def state_socket(frames, waive=(), impose=()) -> Verdict:
 
 
 def reply(frames, waive=(), impose=()) -> Verdict:
-    """A reply (error, ack, info or state with its entries) as the docs lay it out."""
+    """A reply (error, ack, taken, info or state with its entries) as the docs lay it out."""
     ck = _Check(waive, impose)
     frames = [bytes(f) for f in frames]
     try:
@@ -453,6 +453,7 @@ def reply(frames, waive=(), impose=()) -> Verdict:
         fields: dict[str, Any] = {
             "error": {"error": str},
             "ack": {"client": str, "req": int, "op": str, "ok": bool, "result": dict},
+            "taken": {"client": str, "req": int, "op": str, "result": dict},
             "info": {"run": dict},
             "state": {"run": str, "pub": str, "rank": int, "seq": int, "tseq": dict, "beat": int,
                       "config": dict, "entries": list},

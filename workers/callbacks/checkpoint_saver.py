@@ -15,7 +15,7 @@ import shutil
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,16 @@ class Save:
     step: int | None = None
     path: str | None = None
     error: str | None = None
+    #: set once the trainer has taken it (the step fixed, the file being written) or answered
+    taken: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "taken"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, taken=threading.Event())
+        if self.step is not None or self.error is not None:
+            self.taken.set()
 
 
 class _Every:
@@ -227,8 +237,11 @@ class CheckpointSaver(Callback):
                                             daemon=True)
             self._sender.start()
         self._inbox.put((save, args))
-        if state.decision_awaited:  # the trainer waits at this event: saved before it goes on
-            self.wait(self.control_timeout)
+        if state.decision_awaited:
+            # the trainer waits at this event: answered once it has taken the checkpoint (the
+            # file holds this step); writing the file goes on beside training, and the ack
+            # (rotation, `latest`) follows when it is durable
+            save.taken.wait(self.control_timeout)
 
     # ------------------------------------------------- the sender thread
 
@@ -242,12 +255,14 @@ class CheckpointSaver(Callback):
                 continue
             save, args = item
             try:
-                ack = self._ask("checkpoint", args)
+                ack = self._ask("checkpoint", args, on_taken=lambda _result, s=save: s.taken.set())
             except Exception as exc:
+                save.taken.set()
                 save.error = f"{type(exc).__name__}: {exc}"
                 self._notes.append(f"CheckpointSaver: the checkpoint asked for at batch "
                                    f"{save.asked_at.batch} failed: {save.error}")
                 continue
+            save.taken.set()  # answered without a note (a refusal, an older trainer)
             if not ack.ok:
                 save.error = ack.error or "refused"
                 self._notes.append(f"CheckpointSaver: the trainer refused the checkpoint asked for "
