@@ -22,9 +22,11 @@ Per checkpoint, from the trainer (Control.stalls):
                  before it (none here: each is asked for after the last ack), the ranks'
                  collective, the state copied into the reused buffers, the write handed over
 
-Beside them: write_ms (taken to durable, on the writer thread), step_ms_quiet and
-step_ms_writing (the mean step with no write in flight and with one: what the writer
-thread's CPU and the GIL cost the loop meanwhile, which the stall does not count).
+Beside them: write_ms (taken to the ack, which comes at the first batch end after the
+file is durable), step_ms_quiet and step_ms_writing (the mean step with no write in
+flight and with one: what the writer thread's CPU, memory traffic and GIL cost the loop
+meanwhile, which the stall does not count), and loop_cost_ms: the stall plus that
+slowing, per checkpoint, against sync_save_ms.
 
 Its last line is one JSON object: stall_ms, copy_ms, sync_save_ms, stall_over_copy (means
 over the checkpoints; target stall_over_copy <= 1.2 on the CPU) and the rest.
@@ -206,6 +208,10 @@ def main() -> None:
         "stall_over_copy": round(mean(later) / mean(floors.copy_ms), 3),
         "sync_save_over_stall": round(mean(floors.sync_save_ms) / mean(later), 1),
         "write_ms": round(mean((e["durable"] - e["taken"]) * 1e3 for e in times), 1),
+        # what a checkpoint cost the loop in all: its stall, and the steps slowed while it
+        # was written (their excess over the quiet steps' mean), per checkpoint
+        "loop_cost_ms": round(mean(later) + (
+            (mean(writing) - mean(quiet)) * len(writing) / len(times) if writing and quiet else 0), 1),
         "step_ms_quiet": round(mean(quiet), 1) if quiet else None,
         "step_ms_writing": round(mean(writing), 1) if writing else None,
         "steps_quiet": len(quiet), "steps_writing": len(writing),
