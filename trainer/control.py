@@ -168,7 +168,7 @@ class Control:
             len(self.checkpoints) + sigterm_checkpoint,
             self.settled if self._rank == 0 else 0,  # the others learn rank 0's
         )
-        self._answer_durable(ts, settled)
+        self._answer_durable(settled)
         if halt:
             self.stop = True  # applied: no batch after this one trains, on any rank
             for request in self.halts:
@@ -201,7 +201,7 @@ class Control:
     def _save(self, where: str, due: list[list[ControlRequest]], ts: Timestamp) -> None:
         for requests in due:
             began = time.perf_counter()
-            self.wait_durable(ts)  # one write at a time: the one in flight is answered first
+            self.wait_durable()  # one write at a time: the one in flight is answered first
             try:
                 path, tag, write = self.checkpointer.take_requested(ts, requests)
             except CheckpointError as exc:
@@ -215,10 +215,10 @@ class Control:
             for request in requests:
                 request.taken(path=str(path), step=ts.batch, event=where)
             self._emit(CHECKPOINT_TAKEN, ts.as_tuple(), self._about(path, tag, where, ts, requests))
-        self._answer_durable(ts)
+        self._answer_durable()
         self._release()
 
-    def _answer_durable(self, ts: Timestamp, settled: int | None = None) -> None:
+    def _answer_durable(self, settled: int | None = None) -> None:
         """Answer the checkpoints whose files are durable (or failed) by now, in order: on
         rank 0 those its writer has finished; on the others those rank 0 has answered
         (`settled`, from the agreement)."""
@@ -238,28 +238,27 @@ class Control:
             except CheckpointError as exc:
                 self.checkpoint_refused(taken.requests, exc, taken.ts)
             else:
-                self.checkpoint_saved(taken.requests, taken.path, taken.tag, taken.where,
-                                      taken.ts, now=ts)
+                self.checkpoint_saved(taken.requests, taken.path, taken.tag, taken.where, taken.ts)
 
-    def wait_durable(self, ts: Timestamp) -> None:
+    def wait_durable(self) -> None:
         """Rank 0: until the write in flight is durable (or failed), then answer it; the
         other ranks go on (their answers follow rank 0's, poll())."""
         if self._rank == 0:
             for taken in self.writing:
                 if taken.write is not None:
                     taken.write.wait()
-            self._answer_durable(ts)
+            self._answer_durable()
 
-    def finish_writes(self, ts: Timestamp, *, agree: bool = True) -> None:
+    def finish_writes(self, *, agree: bool = True) -> None:
         """The fit has ended (or the run closes): every checkpoint taken is durable and
         answered before this returns. Under torchrun, with `agree` (every rank reaches this
         point at the same batch), one more agreement tells the other ranks which of rank
         0's files are durable; without it (an exception unwinds the fit) they drop what
         they still owe, said in the log."""
-        self.wait_durable(ts)
+        self.wait_durable()
         if self.agreement.active and agree and self.checkpointer.writes_for_all_ranks:
             _, _, settled = self.agreement.agree(False, 0, self.settled if self._rank == 0 else 0)
-            self._answer_durable(ts, settled)
+            self._answer_durable(settled)
         if self.writing:
             log.warning("offloop: %d checkpoint_saved event(s) not published on rank %d: the fit "
                         "ended by an error before rank 0 said its files were durable",
@@ -271,17 +270,18 @@ class Control:
         checkpoint taken now, one whose file became durable answered."""
         self.poll(ts)
         self.save_due(where, ts)
-        self._answer_durable(ts)
+        self._answer_durable()
 
     def checkpoint_saved(self, requests: list[ControlRequest], path: Path, tag: str, where: str,
-                         ts: Timestamp, now: Timestamp | None = None) -> None:
-        """Ack the requests with the durable file of step `ts` and publish checkpoint_saved
-        (at `now`, when it became durable, if later)."""
+                         ts: Timestamp) -> None:
+        """Ack the requests with the durable file of step `ts` and publish checkpoint_saved,
+        stamped with that step (as when it was written in the loop), whenever it is
+        published: at the first batch end after the file became durable."""
         self.sigterm_saved = self.sigterm_saved or self.sigterm
         for request in requests:
             request.ack(path=str(path), step=ts.batch, event=where)
         self.saves += 1
-        self._emit(CHECKPOINT_SAVED, (now or ts).as_tuple(),
+        self._emit(CHECKPOINT_SAVED, ts.as_tuple(),
                    {**self._about(path, tag, where, ts, requests), "count": self.saves})
 
     @staticmethod
@@ -345,7 +345,7 @@ class Control:
         for request in self.server.poll():
             if request.op == "checkpoint" and self.saves_after_fit:
                 self._save("after_fit", [[request]], ts)
-                self.wait_durable(ts)  # no loop left to keep going: answered once durable
+                self.wait_durable()  # no loop left to keep going: answered once durable
             else:
                 request.refuse("the run has finished", step=ts.batch)
 

@@ -125,7 +125,7 @@ class RunServices:
         alike (not an exception unwinding it): the ranks agree once more on rank 0's files."""
         self.in_fit = False
         control = self.control
-        control.finish_writes(ts, agree=completed)
+        control.finish_writes(agree=completed)
         control.refuse_pending(ts)
         fit = self.workers.fit_ended()  # its workers are stopped only once they have handled it
         self.emitter.emit(Topic.FIT_END, ts.as_tuple(), {
@@ -135,7 +135,7 @@ class RunServices:
         if wait_for_progress_bars:
             self.workers.wait_for_progress_bars(self.settings.worker_shutdown_timeout,
                                                 partial(control.answer_late, ts), ts.batch)
-            control.finish_writes(ts, agree=False)  # one answer_late took meanwhile
+            control.finish_writes(agree=False)  # one answer_late took meanwhile
 
     def close(self, ts: Timestamp, wait_for_workers: bool = True) -> None:
         """Let every worker see fit_end, answer what came late, close the stream and the
@@ -152,7 +152,7 @@ class RunServices:
             workers.wait_for_fit_end(self.settings.worker_shutdown_timeout,
                                      partial(control.answer_late, ts), ts.batch)
         control.answer_late(ts)
-        control.finish_writes(ts, agree=False)  # after the fit: one process, rank 0 alone
+        control.finish_writes(agree=False)  # after the fit: one process, rank 0 alone
         if self.sockets is None:
             return workers.stop()
         progress = {"epoch": ts.epoch, "batch": ts.batch, "sample": ts.sample, "token": ts.token}

@@ -139,7 +139,8 @@ def test_fit_returns_only_once_the_last_checkpoint_is_durable(tmp_path, monkeypa
     trainer = Trainer(mlp(), loader(dataset=dataset, batch_size=8), "1ep", loss_fn=F.cross_entropy,
                       seed=7, run_dir=tmp_path / "run")
     endpoints = trainer.publisher.endpoints
-    sub = Subscriber(endpoints["events"], endpoints["state"], topics=["checkpoint_saved", "fit_end"])
+    sub = Subscriber(endpoints["events"], endpoints["state"],
+                     topics=["checkpoint_taken", "checkpoint_saved", "fit_end"])
     sub.connect()
     got: dict = {}
 
@@ -160,14 +161,17 @@ def test_fit_returns_only_once_the_last_checkpoint_is_durable(tmp_path, monkeypa
     seen = []
     while (msg := sub.recv(timeout=2)) is not None:
         if not msg.from_state:
-            seen.append((msg.topic, msg.data))
+            seen.append((msg.topic, msg.data, msg.ts[1]))
             if msg.topic == "fit_end":
                 break
     sub.close()
     helper.join(30)
     trainer.close()
-    assert [t for t, _ in seen] == ["checkpoint_saved", "fit_end"]
-    assert seen[1][1]["checkpoints"] == [str(path)] and got["ack"].ok
+    # taken, then saved once durable (both stamped with the step the file holds), then fit_end
+    assert [(t, at) for t, _, at in seen] == [("checkpoint_taken", 8), ("checkpoint_saved", 8),
+                                              ("fit_end", 8)]
+    assert seen[0][1]["path"] == seen[1][1]["path"] == str(path)
+    assert seen[2][1]["checkpoints"] == [str(path)] and got["ack"].ok
 
 
 class Counted(Callback):
