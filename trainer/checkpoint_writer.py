@@ -3,9 +3,11 @@ buffers it reuses (on CUDA: pinned, copied without blocking, one event recorded 
 copies); a writer thread waits for that event, then serialises, writes, fsyncs and renames.
 
 Promise: at most one checkpoint is being written at a time (the next copy would overwrite
-the buffers the writer reads: `HostCopy` refuses to copy while a write is in flight), a
-write is durable or has failed when its `Write` says done, and the file is never seen
-under its name before it is whole (save_checkpoint()'s temporary file, fsync, rename).
+the buffers the writer reads: `BackgroundWriter.submit` refuses while a write is in
+flight, and the Checkpointer waits for it first), a write is durable or has failed when
+its `Write` says done, and the file is never seen under its name before it is whole
+(save_checkpoint()'s temporary file, fsync, rename). The buffers stay allocated between
+checkpoints: as much host memory as the state it copies.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ class HostCopy:
             return seen[same]
         gpu = tensor.device.type == "cuda"
         buffer = self._buffers.get(place)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+        if (buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype
+                or buffer.is_pinned() != gpu):
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=gpu)
             self._buffers[place] = buffer
         buffer.copy_(tensor, non_blocking=gpu)
