@@ -13,6 +13,7 @@ checkpoints: as much host memory as the state it copies.
 from __future__ import annotations
 
 import copy
+import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -115,8 +116,7 @@ class BackgroundWriter:
 
     def __init__(self) -> None:
         self.current: Write | None = None
-        self._queue: list = []
-        self._ready = threading.Condition()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     @property
@@ -127,9 +127,7 @@ class BackgroundWriter:
         if self.busy:
             raise RuntimeError("a checkpoint is already being written: wait for it first")
         write = self.current = Write(path)
-        with self._ready:
-            self._queue.append((write, payload, event, save))
-            self._ready.notify()
+        self._queue.put((write, payload, event, save))
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="offloop-checkpoint-writer",
                                             daemon=True)
@@ -143,10 +141,7 @@ class BackgroundWriter:
 
     def _run(self) -> None:
         while True:
-            with self._ready:
-                while not self._queue:
-                    self._ready.wait()
-                write, payload, event, save = self._queue.pop(0)
+            write, payload, event, save = self._queue.get()
             try:
                 if event is not None:
                     event.synchronize()  # the one wait for the GPU: its copies into our buffers
@@ -158,5 +153,3 @@ class BackgroundWriter:
                     f"checkpoint {write.path} could not be written: {type(exc).__name__}: {exc}"))
             else:
                 write._finish(None)
-            finally:
-                del payload
