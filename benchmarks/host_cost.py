@@ -15,6 +15,9 @@ Cases, on the tiny MLP (64-64-10, batch 32) and the real-size one (784-512-512-1
                     metric), CheckpointSaver every epoch and a TensorboardLogger (in one
                     worker process)
   lightning_bare    Lightning with no callback, logger or checkpointing
+  lightning_empty   Lightning with one callback that overrides nothing: what Lightning's
+                    own dispatch of every hook to a callback costs (the floor under any
+                    Lightning callback, offloop's included)
   offloop_callback  Lightning with OffloopCallback and one worker subscribed to every event
 
 Only the steady state is measured: the steps of a window inside one epoch (no evaluation,
@@ -82,7 +85,8 @@ from offloop.callbacks import CheckpointSaver, EarlyStopper, LRMonitor, SpeedMon
 from offloop.loggers import TensorboardLogger
 from offloop.trainer import Trainer
 
-CASES = ("hand", "floor", "every_event", "realistic", "lightning_bare", "offloop_callback")
+CASES = ("hand", "floor", "every_event", "realistic", "lightning_bare", "lightning_empty",
+         "offloop_callback")
 TARGET_INSTR_OVER_FLOOR, TARGET_ADDED_US = 2.0, 20.0
 #: the window's edges under callgrind: costs zeroed as it opens (every thread's), dumped as it
 #: closes (a collection toggle would count the calling thread only)
@@ -214,7 +218,7 @@ class OffloopTrainer:
 
 
 class Lightning:
-    def __init__(self, size: str, window: Window, offloop: bool) -> None:
+    def __init__(self, size: str, window: Window, callback: str | None) -> None:
         import lightning.pytorch as pl
 
         from offloop.integrations.lightning import OffloopCallback
@@ -236,15 +240,19 @@ class Lightning:
 
         self.pl, self.window, self.module = pl, window, Module()
         self.dir = tempfile.mkdtemp(prefix="offloop-host-cost-pl-")
-        self.offloop, self.blocks = OffloopCallback if offloop else None, 0
+        self.callback, self.blocks = callback, 0
+        self.offloop, self.empty = OffloopCallback, pl.Callback
 
     def block(self) -> None:
         # a Lightning Trainer (and an OffloopCallback: its run ends with the fit) per block;
         # their start and end are outside the window
         self.blocks += 1
-        callbacks = [] if self.offloop is None else [self.offloop(
-            [EveryEvent()], run_dir=os.path.join(self.dir, f"run-{self.blocks}"),
-            worker_shutdown_timeout=5)]
+        callbacks = []
+        if self.callback == "offloop":
+            callbacks = [self.offloop([EveryEvent()], run_dir=os.path.join(self.dir, f"run-{self.blocks}"),
+                                      worker_shutdown_timeout=5)]
+        elif self.callback == "empty":
+            callbacks = [self.empty()]
         trainer = self.pl.Trainer(
             accelerator="gpu" if bench.DEVICE.type == "cuda" else "cpu", devices=1, logger=False,
             enable_checkpointing=False,
@@ -265,7 +273,7 @@ def build(case: str, size: str, window: Window, slowdown: float = 1.0):
         return Floor(size, window)
     if case in ("every_event", "realistic"):
         return OffloopTrainer(size, window, case == "realistic", slowdown)
-    return Lightning(size, window, case == "offloop_callback")
+    return Lightning(size, window, {"offloop_callback": "offloop", "lightning_empty": "empty"}.get(case))
 
 
 # ------------------------------------------------------------- instructions
@@ -429,6 +437,10 @@ def main() -> None:
             result[f"added_instr_offloop_callback_over_lightning_{size}"] = (
                 counted[f"offloop_callback_{size}"]["instr"] - counted[f"lightning_bare_{size}"]["instr"])
             result[f"added_instr_lightning_bare_{size}"] = counted[f"lightning_bare_{size}"]["instr"] - hand
+            result[f"added_instr_lightning_empty_over_lightning_{size}"] = (
+                counted[f"lightning_empty_{size}"]["instr"] - counted[f"lightning_bare_{size}"]["instr"])
+            result[f"added_instr_offloop_callback_over_empty_callback_{size}"] = (
+                counted[f"offloop_callback_{size}"]["instr"] - counted[f"lightning_empty_{size}"]["instr"])
         if set(cases) == set(CASES):
             result["instr_target"] = {"instr_over_floor": TARGET_INSTR_OVER_FLOOR, "met": all(
                 result[f"{c}_over_floor_{s}"] <= TARGET_INSTR_OVER_FLOOR
@@ -449,6 +461,10 @@ def main() -> None:
                 timed[f"offloop_callback_{size}"]["us_min"] - timed[f"lightning_bare_{size}"]["us_min"], 1)
             result[f"added_us_offloop_callback_over_lightning_{size}_mean"] = round(
                 timed[f"offloop_callback_{size}"]["us_mean"] - timed[f"lightning_bare_{size}"]["us_mean"], 1)
+            result[f"added_us_lightning_empty_over_lightning_{size}"] = round(
+                timed[f"lightning_empty_{size}"]["us_min"] - timed[f"lightning_bare_{size}"]["us_min"], 1)
+            result[f"added_us_offloop_callback_over_empty_callback_{size}"] = round(
+                timed[f"offloop_callback_{size}"]["us_min"] - timed[f"lightning_empty_{size}"]["us_min"], 1)
         checked = [k for k in result if k.startswith(("added_us_every_event", "added_us_realistic",
                                                       "added_us_offloop_callback")) and not k.endswith("_mean")]
         if checked:

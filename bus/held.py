@@ -9,7 +9,7 @@ lock, which also orders the sends.
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import _count_elements, deque  # Counter's C helper: Counter() adds Python layers
 from collections.abc import Callable
 from itertools import repeat, starmap
 from operator import itemgetter
@@ -49,9 +49,10 @@ class HeldEvents:
         self.latest: dict[str, list] = {}
         self._last_ts: list[Any] = [_NO_TS]  # the ts of the last entry appended, shared
         self._released_ts: Any = None  # the ts of the last entry released
-        # released (seq, first tseq, entries) not yet folded into `latest`: the service
-        # thread folds them, off the loop; a late joiner's state folds them first
-        self._unfolded: list[tuple[int, dict[str, int], list]] = []
+        # released (seq, each topic's first tseq, each topic's count, entries) not yet
+        # folded into `latest`: the service thread folds them, off the loop; a late
+        # joiner's state folds them first
+        self._unfolded: list[tuple[int, dict[str, int], dict[str, int], list]] = []
 
     def appender(self, interest: Interest) -> Callable[[str, tuple, dict | None], bool]:
         """The function that holds one event if `interest` wants its topic (opening it if
@@ -108,14 +109,14 @@ class HeldEvents:
         if len(held[0]) == 3:  # its ts is the last one released (the entry before it)
             held[0] = (*held[0], self._released_ts)
         seq = self.advance(len(held))
-        # each topic once (a burst holds a few), counted by list.count in C: Counter's Python
-        # layers cost a release more, cold (benchmarks/bus.py, `burst_every_step_median_us`)
-        tseq, first, topics = self.tseq, {}, list(map(_TOPIC, held))
-        for topic in dict.fromkeys(topics):
+        # counted in one C pass: list.count per topic is quadratic in a burst of many steps
+        tseq, first, counts = self.tseq, {}, {}
+        _count_elements(counts, map(_TOPIC, held))
+        for topic, count in counts.items():
             n = tseq.get(topic, 0)
             first[topic] = n + 1
-            tseq[topic] = n + topics.count(topic)
-        self._unfolded.append((seq, first, held))
+            tseq[topic] = n + count
+        self._unfolded.append((seq, first, counts, held))
         if len(self._unfolded) >= FOLD_AT_MOST:  # the service thread is late: bound what waits
             self.fold()
         self._released_ts = entry_ts(held, -1)
@@ -138,13 +139,14 @@ class HeldEvents:
 
     def fold(self) -> None:
         """Keep the latest event of each topic released since the last fold as a whole
-        event, newest releases first."""
+        event, newest releases first; a release none of whose topics is still missing is
+        not looked into (in a steady loop, every release but the newest)."""
         unfolded, latest, done = self._unfolded, self.latest, set()
         while unfolded:
-            seq, first, held = unfolded.pop()
-            topics = list(map(_TOPIC, held))
-            counts = Counter(topics)
-            last = dict(zip(topics, range(len(held)), strict=True))  # each topic's last entry
+            seq, first, counts, held = unfolded.pop()
+            if done.issuperset(counts):
+                continue
+            last = dict(zip(map(_TOPIC, held), range(len(held)), strict=True))  # each topic's last entry
             for topic, i in last.items():
                 if topic not in done:
                     done.add(topic)
