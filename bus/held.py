@@ -146,7 +146,8 @@ class HeldEvents:
             seq, first, counts, held = unfolded.pop()
             if done.issuperset(counts):
                 continue
-            last = dict(zip(map(_TOPIC, held), range(len(held)), strict=True))  # each topic's last entry
+            # each topic's last entry
+            last = dict(zip(map(_TOPIC, held), range(len(held)), strict=True))
             for topic, i in last.items():
                 if topic not in done:
                     done.add(topic)
