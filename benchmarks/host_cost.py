@@ -33,8 +33,8 @@ other threads' (a client request reaches its own thread only, so theirs come fro
 windows of N and 4N steps: the difference of their totals over 3N); the figure is the
 instructions added over `hand`, and offloop's as a multiple of `floor`'s.
 Under valgrind a step takes about 50 times longer, so the burst interval (and heartbeat
-interval) of `floor` and offloop are scaled by --slowdown (50): as many steps share a burst
-as at native speed.
+interval, and the publisher's 50 ms stall timer) of `floor` and offloop are scaled by
+--slowdown (50): as many steps share a burst as at native speed.
 
 Time (--what time, or both): every case in turn in at least 20 rounds of short blocks (the
 order turns round each round); per block the training thread's CPU time (thread_time) and the other
@@ -81,6 +81,7 @@ import torch.nn.functional as F
 import trainer_overhead as bench  # beside this script
 from trainer_overhead import SEED, EveryEvent, PublishingLoop, make_batches, make_model
 
+from offloop.bus import publisher_service
 from offloop.callbacks import CheckpointSaver, EarlyStopper, LRMonitor, SpeedMonitor
 from offloop.loggers import TensorboardLogger
 from offloop.trainer import Trainer
@@ -295,6 +296,9 @@ def window_library(folder: Path) -> str:
 def count_one(case: str, size: str, steps: int, warmup: int, slowdown: float) -> None:
     """Under valgrind: one window of `case`, its costs dumped as it closes."""
     library = ctypes.CDLL(os.environ["OFFLOOP_WINDOW_LIBRARY"])
+    # the service thread's stall timer, like the burst and heartbeat intervals, fires as
+    # often a step as at native speed (unscaled it woke ~50x as often a step)
+    publisher_service.STALL_CHECK *= slowdown
     edges = {True: library.offloop_window_open, False: library.offloop_window_close}
     window = Window(make_batches(size, 64), warmup, steps, mark=lambda opening: edges[opening]())
     runner = build(case, size, window, slowdown)
