@@ -32,9 +32,11 @@ Per step: the training thread's instructions in the window over its steps, plus 
 other threads' (a client request reaches its own thread only, so theirs come from two runs,
 windows of N and 4N steps: the difference of their totals over 3N); the figure is the
 instructions added over `hand`, and offloop's as a multiple of `floor`'s.
-Under valgrind a step takes about 50 times longer, so the burst interval (and heartbeat
+Under valgrind a step takes longer (about 50 times on the tiny MLP, 3 000 on the large one,
+whose vectorised matrix products are emulated), so the burst interval (and heartbeat
 interval, and the publisher's 50 ms stall timer) of `floor` and offloop are scaled by
---slowdown (50): as many steps share a burst as at native speed.
+--slowdown (by default SLOWDOWN's figure for the size): as many steps share a burst as at
+native speed.
 
 Time (--what time, or both): every case in turn in at least 20 rounds of short blocks (the
 order turns round each round); per block the training thread's CPU time (thread_time) and the other
@@ -89,6 +91,8 @@ from offloop.trainer import Trainer
 CASES = ("hand", "floor", "every_event", "realistic", "lightning_bare", "lightning_empty",
          "offloop_callback")
 TARGET_INSTR_OVER_FLOOR, TARGET_ADDED_US = 2.0, 20.0
+#: how many times longer a step takes under valgrind, by size (docs/benchmarks.md)
+SLOWDOWN = {"tiny": 50.0, "large": 3000.0}
 #: the window's edges under callgrind: costs zeroed as it opens (every thread's), dumped as it
 #: closes (a collection toggle would count the calling thread only)
 WINDOW_SOURCE = """#include <valgrind/callgrind.h>
@@ -328,7 +332,7 @@ def callgrind_counts(prefix: Path) -> tuple[int, int]:
     return summary(window[0]), sum(summary(p) for p in others)
 
 
-def instructions(sizes: list[str], steps: int, warmup: int, slowdown: float, cases) -> dict:
+def instructions(sizes: list[str], steps: int, warmup: int, slowdown: float | None, cases) -> dict:
     """Each case twice under callgrind, windows of `steps` and 4x `steps`: the training
     thread's instructions a step from its window, the other threads' from the difference
     of the two runs' totals (their costs cannot be cut to a window from the loop)."""
@@ -343,7 +347,7 @@ def instructions(sizes: list[str], steps: int, warmup: int, slowdown: float, cas
             cmd = ["valgrind", "--tool=callgrind", "--separate-threads=yes",
                    f"--callgrind-out-file={prefix}.%p", sys.executable, __file__, "--count", case,
                    "--sizes", size, "--steps", str(n), "--warmup", str(warmup),
-                   "--slowdown", str(slowdown)]
+                   "--slowdown", str(slowdown or SLOWDOWN[size])]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
             if done.returncode != 0:
                 raise SystemExit(f"{case} {size} under valgrind failed:\n{done.stderr[-3000:]}")
@@ -409,7 +413,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=0, help="steps a window (default: 200 tiny, 40 large; 300 counting)")
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--slowdown", type=float, default=50.0)
+    parser.add_argument("--slowdown", type=float, default=None,
+                        help="under valgrind, how many times longer a step takes (default: by size)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     bench.DEVICE = torch.device(args.device)  # every case's model and batches (trainer_overhead.py)
@@ -423,7 +428,8 @@ def main() -> None:
     sizes = args.sizes.split(",")
     cases = [c for c in args.cases.split(",") if c in CASES]
     if args.count:
-        count_one(args.count, sizes[0], args.steps or 300, args.warmup, args.slowdown)
+        count_one(args.count, sizes[0], args.steps or 300, args.warmup,
+                  args.slowdown or SLOWDOWN[sizes[0]])
         return
     result: dict = {}
     if args.what in ("both", "instructions"):
@@ -449,7 +455,7 @@ def main() -> None:
             result["instr_target"] = {"instr_over_floor": TARGET_INSTR_OVER_FLOOR, "met": all(
                 result[f"{c}_over_floor_{s}"] <= TARGET_INSTR_OVER_FLOOR
                 for c in ("every_event", "realistic") for s in sizes)}
-        result["slowdown"] = args.slowdown
+        result["slowdown"] = {size: args.slowdown or SLOWDOWN[size] for size in sizes}
     if args.what in ("both", "time"):
         steps = {"tiny": args.steps or 200, "large": args.steps or 40}
         timed = times(sizes, args.rounds, steps, args.warmup, cases)
