@@ -245,24 +245,24 @@ class Lightning:
 
         self.pl, self.window, self.module = pl, window, Module()
         self.dir = tempfile.mkdtemp(prefix="offloop-host-cost-pl-")
-        self.callback, self.blocks = callback, 0
-        self.offloop, self.empty = OffloopCallback, pl.Callback
+        self.blocks = 0
+        # the block's callbacks, made anew for each Lightning Trainer
+        self.callbacks = {
+            None: lambda: [],
+            "empty": lambda: [pl.Callback()],
+            "offloop": lambda: [OffloopCallback([EveryEvent()], worker_shutdown_timeout=5,
+                                                run_dir=os.path.join(self.dir, f"run-{self.blocks}"))],
+        }[callback]
 
     def block(self) -> None:
         # a Lightning Trainer (and an OffloopCallback: its run ends with the fit) per block;
         # their start and end are outside the window
         self.blocks += 1
-        callbacks = []
-        if self.callback == "offloop":
-            callbacks = [self.offloop([EveryEvent()], run_dir=os.path.join(self.dir, f"run-{self.blocks}"),
-                                      worker_shutdown_timeout=5)]
-        elif self.callback == "empty":
-            callbacks = [self.empty()]
         trainer = self.pl.Trainer(
             accelerator="gpu" if bench.DEVICE.type == "cuda" else "cpu", devices=1, logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-            callbacks=callbacks, max_steps=self.window.warmup + self.window.steps + 2,
+            callbacks=self.callbacks(), max_steps=self.window.warmup + self.window.steps + 2,
             max_epochs=-1)
         trainer.fit(self.module, self.window)
 
