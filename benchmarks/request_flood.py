@@ -33,7 +33,7 @@ Attacks (8 connections each, sending as fast as libzmq takes them):
 What it does not show: an attacker with CURVE keys (a handshake per connection; the same
 budget then applies after it), a GPU run, several attackers on several hosts.
 
-Run: python benchmarks/request_flood.py [--phase S] [--rounds N]
+Run: python benchmarks/request_flood.py [--phase S] [--rounds N] [--attacks spin,control_cheap,...]
 """
 
 from __future__ import annotations
@@ -135,7 +135,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--phase", type=float, default=4.0, help="seconds per phase")
     parser.add_argument("--rounds", type=int, default=2, help="times each attack is run")
+    parser.add_argument("--attacks", default=",".join(ATTACKS),
+                        help="comma-separated attacks to run, of: " + ", ".join(ATTACKS))
     args = parser.parse_args()
+    attacks = args.attacks.split(",")
+    if "spin" not in attacks or not set(attacks) <= set(ATTACKS):
+        parser.error(f"--attacks: spin and any of {', '.join(ATTACKS)}, got {args.attacks!r}")
     from offloop.bus import find_run
     from offloop.trainer import Trainer
 
@@ -174,7 +179,7 @@ def main() -> None:
         return out
 
     for _ in range(args.rounds):
-        for attack in ATTACKS:
+        for attack in attacks:
             before, during, after = phase(None), phase(attack), phase(None)
             quiet = (before["rate"] + after["rate"]) / 2
             row = results.setdefault(attack, {"step_rate_ratio": [], "rss_growth_mib": [],

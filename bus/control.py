@@ -285,6 +285,7 @@ class ControlServer:
                                 frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
                             except zmq.Again:
                                 break
+                            budget.read(frames)
                             self._receive(router, frames)
                 if monitor in ready:
                     connections.take()

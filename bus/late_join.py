@@ -16,6 +16,7 @@ import zmq
 from offloop.bus.held import HeldEvents
 from offloop.bus.interest import Interest
 from offloop.bus.publisher_stats import PublisherStats
+from offloop.bus.request_budget import RequestBudget
 from offloop.bus.wire import (
     EventEncoder,
     Limits,
@@ -52,13 +53,14 @@ class LateJoin:
         self._stats, self.limits, self._curve = stats, limits, curve
         self._release, self._track, self._beat = release, track, beat
 
-    def answer(self, router: zmq.Socket, watcher: zmq.Socket) -> None:
+    def answer(self, router: zmq.Socket, watcher: zmq.Socket, budget: RequestBudget) -> None:
         """Answer what waits at the state socket, STATE_BATCH requests a round: info and
         bad requests at once, the late-join requests together (one settle wait and one
         snapshot for all of them), so a backlog never holds up heartbeats or close()."""
         joiners: list[tuple[list[bytes], list[str] | None]] = []
         while len(joiners) < STATE_BATCH and router.poll(0):
             frames = router.recv_multipart(copy=False)
+            budget.read(frames)
             split = split_envelope(frames)  # from a client, or relayed by `offloop relay`
             if split is None:
                 self._refuse(router, [frames[0].bytes],

@@ -109,7 +109,7 @@ class PublisherService:
 
         def answer(sock: zmq.Socket) -> None:
             with budget.round():
-                self.late_join.answer(sock, watcher)
+                self.late_join.answer(sock, watcher, budget)
 
         handlers = {watcher: self.track, router: answer, stop: self._final_beats,
                     **{cap.monitor: self._connections for cap in self._caps.values()}}

@@ -4,11 +4,16 @@ The threads that read requests (the control server's, the publisher's service th
 share the GIL with the training thread, so a flood of requests, however cheap each one is
 to refuse, slows training while they are kept busy. A `RequestBudget` is a token bucket of
 CPU time: it fills at `share` seconds a second up to `burst`, and each round of at most
-`round_size` requests takes the thread CPU time it cost. While it is empty the socket is
-not read; meanwhile libzmq stops reading a flooding connection once its receive queue is
-full, and TCP holds the rest in the sender. A request after a quiet spell is read at once
-(the bucket is full); a flood gets `share` of a core on average. A ROUTER takes its
-messages from its peers in turn, so a round holds at most one peer's share of them.
+`round_size` requests takes the thread CPU time it cost, plus, for each request read, what
+it cost outside this thread: libzmq's I/O threads on both ends and the kernel's loopback
+work move every message, and on a machine with no core to spare that work comes out of
+training as surely as this thread's (`REQUEST_COST`, `REQUEST_BYTE_COST`: estimates, not
+measured per request). While the bucket is empty the socket is not read; meanwhile libzmq
+stops reading a flooding connection once its receive queue is full, and TCP holds the rest
+in the sender. A request after a quiet spell is read at once (the bucket is full); a flood
+gets `share` of a core on average and is read a few hundred requests a second at most. A
+ROUTER takes its messages from its peers in turn, so a round holds at most one peer's
+share of them.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from contextlib import contextmanager
 
 import zmq
 
-__all__ = ["RequestBudget", "REQUEST_BURST", "REQUEST_ROUND", "REQUEST_SHARE"]
+__all__ = ["RequestBudget", "REQUEST_BURST", "REQUEST_BYTE_COST", "REQUEST_COST", "REQUEST_ROUND",
+           "REQUEST_SHARE"]
 
 #: the share of one core the request threads may take from the run, each, on average
 REQUEST_SHARE = 0.05
@@ -28,6 +34,10 @@ REQUEST_SHARE = 0.05
 REQUEST_BURST = 0.005
 #: requests read in one round
 REQUEST_ROUND = 16
+#: seconds charged for each request read, beyond the reading thread's CPU: its cost elsewhere
+REQUEST_COST = 100e-6
+#: and for each byte of it
+REQUEST_BYTE_COST = 10e-9
 
 
 class RequestBudget:
@@ -39,6 +49,7 @@ class RequestBudget:
             raise ValueError(f"RequestBudget: share must be in (0, 1], got {share!r}")
         self.share, self.round_size, self.burst = share, round_size, burst
         self._credit, self._at = burst, time.monotonic()  # seconds of CPU left, and when
+        self._elsewhere = 0.0  # what this round's requests cost outside this thread
 
     def _refill(self) -> None:
         now = time.monotonic()
@@ -58,12 +69,17 @@ class RequestBudget:
             return everything.poll(None if timeout is None else math.ceil(timeout * 1000))
         return quiet.poll(math.ceil(1000 * (rest if timeout is None else min(rest, timeout))))
 
+    def read(self, frames: list) -> None:
+        """Charge this round for a request read (its frames, zmq.Frame or bytes)."""
+        self._elsewhere += REQUEST_COST + REQUEST_BYTE_COST * sum(len(f) for f in frames)
+
     @contextmanager
     def round(self) -> Iterator[None]:
-        """A round of requests: the thread CPU time it takes comes out of the bucket."""
-        cpu = time.thread_time()
+        """A round of requests: the thread CPU time it takes comes out of the bucket, and
+        what `read` charged for its requests."""
+        cpu, self._elsewhere = time.thread_time(), 0.0
         try:
             yield
         finally:
             self._refill()
-            self._credit -= time.thread_time() - cpu
+            self._credit -= time.thread_time() - cpu + self._elsewhere
