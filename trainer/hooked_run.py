@@ -28,6 +28,13 @@ from offloop.trainer.startup import name_run, run_config
 
 __all__ = ["HookedRun"]
 
+
+def _nothing(*args: Any) -> None:
+    pass
+
+
+_WANTS_NOTHING = frozenset().__contains__
+
 #: save(path) writes the host trainer's checkpoint at `path`, on every rank, and returns
 #: the path it wrote; None for a trainer that saves later itself (Hugging Face's: the
 #: integration takes the agreed requests with due_requests() and answers them with saved())
@@ -68,6 +75,23 @@ class HookedRun:
         self.timestamp = Timestamp()
         self.started = False
         self.publisher: Publisher | None = None
+        self._publishing(False)
+
+    def _publishing(self, live: bool) -> None:
+        """Bind the per-hook calls: the emitter's own while the run is live (the cheapest
+        path, a host trainer calls them at every hook), nothing before start and after close."""
+        emitter = self.emitter if live else None
+        self._emit = emitter.emit if live else _nothing
+        self._snapshot = emitter.snapshot if live else _nothing  # each checks what is wanted
+        self.wants = emitter.wants if live else _WANTS_NOTHING
+
+    @property
+    def timestamp(self) -> Timestamp:
+        return self._timestamp
+
+    @timestamp.setter
+    def timestamp(self, ts: Timestamp) -> None:
+        self._timestamp, self._now = ts, ts.as_tuple()  # the tuple every event carries
 
     # ------------------------------------------------------------------ start
 
@@ -76,9 +100,13 @@ class HookedRun:
               seed: int | None = None, precision: str = "fp32", grad_accum: int = 1,
               extra_config: dict | None = None) -> None:
         """Sockets, run.json and the workers (rank 0), then init and before_load. The host
-        trainer's process group, if any, is up: every rank calls this at the same point."""
+        trainer's process group, if any, is up: every rank calls this at the same point.
+        Once the run has closed, a new start begins a new run (a host trainer's second fit:
+        its run id, workers and sockets are new; run.json and its folder the same)."""
         if self.started:
-            return
+            if not self.services.closed:
+                return
+            self.started, self.publisher, self.timestamp = False, None, Timestamp()
         self.rank, self.world_size = distributed.rank(), distributed.world_size()
         agreement = distributed.ControlAgreement()
         self.device, self.optimizers = device, list(optimizers)
@@ -108,6 +136,7 @@ class HookedRun:
         except BaseException:
             self.close(wait_for_workers=False)
             raise
+        self._publishing(True)
         atexit.register(self.close)
         self.emit(Topic.INIT, {"config": self.config})
         self.emit(Topic.BEFORE_LOAD)
@@ -129,19 +158,17 @@ class HookedRun:
         """What a snapshot holds for a tensor (a number on the CPU; staged on CUDA)."""
         return self.emitter.host
 
-    def wants(self, topic: str) -> bool:
-        """Whether a subscriber or worker wants `topic`: build nothing for it otherwise."""
-        return self.started and not self.services.closed and self.emitter.wants(topic)
+    #: wants(topic): whether a subscriber or worker wants `topic` (build nothing for it
+    #: otherwise); the emitter's own while the run is live (_publishing), else always False
+    wants: Callable[[str], bool]
 
     def emit(self, topic: str, data: dict | None = None) -> None:
         """Publish `topic` with plain values (no tensors) at the current timestamp."""
-        if self.started and not self.services.closed:
-            self.emitter.emit(topic, self.timestamp.as_tuple(), data)
+        self._emit(topic, self._now, data)
 
     def snapshot(self, topic: str, data: dict) -> None:
         """Publish `topic` with values that may hold tensors (staged, never synchronised)."""
-        if self.wants(topic):
-            self.emitter.snapshot(topic, self.timestamp.as_tuple(), data)
+        self._snapshot(topic, self._now, data)
 
     def fire(self, topic: str, data: dict | None = None) -> None:
         """Publish a boundary event; where a worker decides on it, wait for its decision
@@ -166,10 +193,10 @@ class HookedRun:
     def batch_end(self, loss: Any, size: int, tokens: int = 0, batch: Any = None) -> bool:
         """One optimizer step done: batch_end, the control poll (a halt or checkpoint
         agreed by every rank), batch_checkpoint. Whether the run must stop after it."""
-        self.timestamp = ts = self.timestamp.to_next_batch(size, tokens)
+        self.timestamp = ts = self._timestamp.to_next_batch(size, tokens)
         if self.wants(Topic.BATCH_END):
-            self.snapshot(Topic.BATCH_END,
-                          self._readings.batch_end(loss, size, ts.batch, batch, None, None))
+            self._snapshot(Topic.BATCH_END, self._now,
+                           self._readings.batch_end(loss, size, ts.batch, batch, None, None))
         controller = self.controller
         controller.poll(ts)
         self.emitter.release_due()
@@ -246,6 +273,7 @@ class HookedRun:
         if not self.started or self.services.closed:
             return
         atexit.unregister(self.close)
+        self._publishing(False)
         self.services.close(self.timestamp, wait_for_workers)
 
 

@@ -48,6 +48,26 @@ def test_a_lightning_run_fires_composers_events_to_a_worker_and_marks_run_json(t
     assert info.extra["config"]["host_trainer"].startswith("lightning")
 
 
+def test_a_second_fit_with_the_same_callback_is_a_run_of_its_own(tmp_path):
+    """The run ends with its fit (teardown closes it); another fit with the same callback
+    starts a new run, with workers of its own, rather than publishing into a closed one
+    (which raised from the publisher's closed socket inside the training loop)."""
+    offloop = OffloopCallback([Recorder(str(tmp_path / "seen.json"))], run_dir=tmp_path / "run")
+    assert not offloop.run.wants("batch_end")  # not started: nothing is wanted
+    offloop.run.emit("batch_start", {"batch_size": 8})  # and nothing is published
+    trainer([offloop], max_epochs=1).fit(Classifier(), loader(64))
+    first = read_run_info(tmp_path / "run")
+    assert offloop.run.closed and not offloop.run.wants("batch_end")
+    offloop.run.emit("batch_start", {"batch_size": 8})  # closed: nothing is held
+    assert len(offloop.run.publisher.held.queue) == 0
+    trainer([offloop], max_epochs=2).fit(Classifier(), loader(64))
+    second = read_run_info(tmp_path / "run")
+    assert second.run_id != first.run_id and second.finished is True
+    seen = json.loads((tmp_path / "seen.json").read_text())  # the second run's worker wrote it
+    batches = [counters[1] for topic, counters in seen if topic == "batch_end"]
+    assert batches == list(range(1, 17)) and [t for t, _ in seen][-1] == "fit_end"
+
+
 def test_a_halt_sets_should_stop_at_the_batch_it_is_acked_at(tmp_path):
     offloop = OffloopCallback(run_dir=tmp_path / "run")
     asker = AskAt(offloop, 5, "halt", {"reason": "enough"})
