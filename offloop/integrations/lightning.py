@@ -30,6 +30,7 @@ except ImportError:  # the older package name ships the same Callback
 __all__ = ["OffloopCallback"]
 
 EVAL_LABEL = "eval"  # Lightning's validation loop, under the label offloop's Trainer gives its eval
+_MICROBATCH = {"microbatch": 0}  # one microbatch a step; events hold their data unchanged, so shared
 
 
 class OffloopCallback(pl.Callback):
@@ -82,17 +83,17 @@ class OffloopCallback(pl.Callback):
         run.emit(Topic.AFTER_DATALOADER)
         run.emit(Topic.BATCH_START, {"batch_size": self._size})
         run.emit(Topic.BEFORE_TRAIN_BATCH, {"batch_size": self._size, "microbatches": 1})
-        run.emit(Topic.BEFORE_FORWARD, {"microbatch": 0})
+        run.emit(Topic.BEFORE_FORWARD, _MICROBATCH)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         run = self.run
         if run.wants(Topic.AFTER_LOSS) or run.wants(Topic.AFTER_TRAIN_BATCH) or run.wants(Topic.BATCH_END):
             self._loss = run.host_value(loss)
             run.snapshot(Topic.AFTER_LOSS, {"microbatch": 0, "loss": self._loss})
-        run.emit(Topic.BEFORE_BACKWARD, {"microbatch": 0})
+        run.emit(Topic.BEFORE_BACKWARD, _MICROBATCH)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.run.emit(Topic.AFTER_BACKWARD, {"microbatch": 0})
+        self.run.emit(Topic.AFTER_BACKWARD, _MICROBATCH)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.run.snapshot(Topic.AFTER_TRAIN_BATCH, {"loss": self._loss})
