@@ -19,6 +19,7 @@ the index of the callback the message is about, None for the process as a whole.
 from __future__ import annotations
 
 import atexit
+import gc
 import io
 import logging
 import os
@@ -26,8 +27,11 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import NoReturn
 
 log = logging.getLogger("offloop.worker")
+#: the file objects that hold written bytes in memory until flushed
+_BUFFERED = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
 PIPE_BUF = 4096  # bytes a write() to a pipe puts in it at once, never interleaved (POSIX: 512 at least; Linux 4096)
 
 
@@ -57,8 +61,39 @@ def main(conn: Connection, settings: dict) -> None:
             raise SystemExit(2) from None
     from offloop.workers.runtime import serve_trainer_callbacks
 
-    serve_trainer_callbacks(callbacks, settings["run_dir"], conn, settings["keys"], settings["heartbeat_timeout"],
-                            settings.get("index"), loggers, settings.get("builtins"))
+    try:
+        serve_trainer_callbacks(callbacks, settings["run_dir"], conn, settings["keys"],
+                                settings["heartbeat_timeout"], settings.get("index"), loggers,
+                                settings.get("builtins"))
+    except SystemExit as end:  # served to the end: its callbacks and loggers are closed
+        leave(end.code)
+
+
+def leave(code: int | None) -> NoReturn:
+    """End the worker without the interpreter's teardown, which, with torch imported,
+    takes longer than everything else the worker does at the end, and `close()` waits for
+    it (docs/benchmarks.md). What Python's exit does that anyone can see is done here, in
+    its order: the threads that are not daemons are waited for, atexit's handlers run (a
+    library's own, such as a tracker's final upload, and this process's line-buffered
+    output), every file still open for writing is flushed, then the process ends."""
+    main_thread = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main_thread and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for obj in gc.get_objects():  # a file a callback left open: its buffer reaches the disk
+        if issubclass(type(obj), _BUFFERED):  # not isinstance: it would run ABCs' hooks
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except Exception:  # closed or broken meanwhile: nothing of it to save
+                pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 class WholeLines(io.RawIOBase):

@@ -29,6 +29,50 @@ class Tag(Callback):
             out.write(json.dumps([self.tag, os.getpid(), state.timestamp.batch]) + "\n")
 
 
+class LeavesThingsOpen(Callback):
+    """What a callback may leave to the end of its process: a file it never flushes or
+    closes, a thread that is no daemon still writing, an atexit handler, a line printed
+    without its newline."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def fit_start(self, state, logger) -> None:
+        import atexit
+        import threading
+
+        self.out = open(os.path.join(self.folder, "unflushed.txt"), "w")  # noqa: SIM115
+
+        def late() -> None:
+            time.sleep(0.3)
+            with open(os.path.join(self.folder, "thread.txt"), "w") as out:
+                out.write("done")
+
+        threading.Thread(target=late).start()
+        atexit.register(Path(self.folder, "atexit.txt").write_text, "ran")
+
+    def batch_end(self, state, logger) -> None:
+        self.out.write(f"batch {state.timestamp.batch}\n")
+
+    def close(self, state, logger) -> None:
+        print("no newline at the end", end="")
+
+
+def test_a_worker_ends_fast_yet_keeps_what_the_interpreters_exit_would(tmp_path, capfd):
+    """A worker skips the interpreter's teardown (slow with torch imported); what that
+    exit does that anyone sees is kept: unflushed files reach the disk, threads that are
+    no daemons finish, atexit handlers run, a partial last line is printed."""
+    trainer = Trainer(mlp(), loader(32, 8), "1ep", loss_fn=torch.nn.functional.cross_entropy,
+                      callbacks=[LeavesThingsOpen(str(tmp_path))], run_dir=tmp_path / "run")
+    trainer.fit()
+    trainer.close()
+    assert (tmp_path / "unflushed.txt").read_text() == "".join(f"batch {b}\n" for b in range(1, 5))
+    assert (tmp_path / "thread.txt").read_text() == "done"
+    assert (tmp_path / "atexit.txt").read_text() == "ran"
+    assert trainer.workers.workers[0].process.exitcode == 0
+    assert "no newline at the end" in capfd.readouterr().out
+
+
 def test_callbacks_share_one_process_in_order_unless_one_asks_for_its_own(tmp_path):
     log = str(tmp_path / "tags.jsonl")
     callbacks = [Tag("a", log), Tag("b", log), Tag("heavy", log).in_own_process(),
