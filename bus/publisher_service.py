@@ -7,6 +7,7 @@ connections of a revoked key.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from offloop.bus.wire import MAX_SUBSCRIPTION_BYTES, EventEncoder, Limits, reque
 
 __all__ = ["PublisherService", "STALL_CHECK"]
 
+#: seconds between the final heartbeats
+FINAL_BEAT_GAP = 0.1
 #: seconds: held events older than this (and the hold interval) leave from the service thread
 STALL_CHECK = 0.05
 #: requests of one connection libzmq reads ahead for the state socket: a client asks one at
@@ -165,14 +168,20 @@ class PublisherService:
                 self.held.fold()
 
     def _final_beats(self, stop: zmq.Socket) -> bool:
-        """Several final heartbeats, so one lost to a full subscriber queue is not the last."""
+        """Several final heartbeats, FINAL_BEAT_GAP apart for the linger, so one lost to a
+        full subscriber queue is not the last; ended early once no subscriber is connected,
+        since no one is left to hear one (the trainer's own workers leave on the first)."""
         linger = float(stop.recv())
         deadline = time.monotonic() + linger
+        connections = self._caps["events"]
         while True:
             self.beat(final=True)
-            if time.monotonic() >= deadline:
+            if not connections.live or time.monotonic() >= deadline:
                 return True
-            time.sleep(min(0.1, linger))
+            next_beat = min(deadline, time.monotonic() + FINAL_BEAT_GAP)
+            while connections.live and (wait := next_beat - time.monotonic()) > 0:
+                if connections.monitor.poll(math.ceil(wait * 1000)):
+                    self._connections(connections.monitor)
 
     def refusals(self) -> dict[str, int]:
         """What the run's sockets refused from peers so far, by kind: the publisher's and

@@ -374,6 +374,31 @@ def test_close_sends_final_heartbeat_and_subscriber_finishes(publisher):
     sub.close()
 
 
+def test_a_subscriber_still_connected_hears_every_final_heartbeat_of_the_linger():
+    """The final heartbeats repeat for the whole linger while anyone is connected (one lost
+    to a full queue is not the last), and stop as soon as no one is: the trainer's own
+    workers leave on the first, and close() then waits no longer."""
+    publisher = Publisher("test-run", heartbeat_interval=5)
+    publisher.start()
+    sub = Subscriber(publisher.endpoints["events"], publisher.endpoints["state"], topics=["batch_end"])
+    sub.connect()
+    wait_until(lambda: publisher._service._caps["events"].live, 10, "the subscriber's connection")
+    beats = publisher.stats.beats
+    publisher.close(linger=0.3)  # a beat at 0, 0.1, 0.2 and 0.3 s
+    assert publisher.stats.beats - beats == 4
+    deadline = time.monotonic() + 5
+    while not sub.finished and time.monotonic() < deadline:
+        sub.recv(timeout=0.1)
+    assert sub.finished
+    sub.close()
+
+    alone = Publisher("test-run", heartbeat_interval=5)
+    alone.start()
+    beats = alone.stats.beats
+    alone.close(linger=0.3)  # no one connected: one final heartbeat, no linger
+    assert alone.stats.beats - beats == 1
+
+
 def test_held_events_leave_at_release_in_order_and_heartbeats_never_count_them_lost(publisher):
     with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
                     topics=["batch_end"], settle=0.2) as sub:
