@@ -76,6 +76,8 @@ def leave(code: int | None) -> NoReturn:
     its order: the threads that are not daemons are waited for, atexit's handlers run (a
     library's own, such as a tracker's final upload, and this process's line-buffered
     output), every file still open for writing is flushed, then the process ends."""
+    if code is not None and not isinstance(code, int):  # as Python's exit: said, then 1
+        print(code, file=sys.stderr)
     main_thread = threading.main_thread()
     for thread in threading.enumerate():
         if thread is not main_thread and not thread.daemon:
