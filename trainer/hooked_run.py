@@ -80,10 +80,11 @@ class HookedRun:
     def _publishing(self, live: bool) -> None:
         """Bind the per-hook calls: the emitter's own while the run is live (the cheapest
         path, a host trainer calls them at every hook), nothing before start and after close."""
-        emitter = self.emitter if live else None
-        self._emit = emitter.emit if live else _nothing
-        self._snapshot = emitter.snapshot if live else _nothing  # each checks what is wanted
-        self.wants = emitter.wants if live else _WANTS_NOTHING
+        if live:  # the emitter's snapshot checks what is wanted itself
+            self._emit, self._snapshot, self.wants = \
+                self.emitter.emit, self.emitter.snapshot, self.emitter.wants
+        else:
+            self._emit, self._snapshot, self.wants = _nothing, _nothing, _WANTS_NOTHING
 
     @property
     def timestamp(self) -> Timestamp:
