@@ -46,6 +46,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from installed import cache_bytecode
 from torch import nn
 
 from offloop.callbacks import CheckpointSaver, EarlyStopper, LRMonitor, SpeedMonitor
@@ -205,6 +206,7 @@ def main() -> None:
     args.batches = args.batches or (300 if args.model == "mlp" else 40)
     device = torch.device(args.device)
     warnings.filterwarnings("ignore")
+    cache_bytecode()  # a worker imports offloop as installed, not compiling it (installed.py)
     if device.type == "cpu":
         torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="offloop-end-to-end-")

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from installed import cache_bytecode
 
 from offloop.trainer import Trainer
 from offloop.workers import Callback
@@ -106,6 +107,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    cache_bytecode()  # a worker imports offloop as installed, not compiling it (installed.py)
     root = Path(tempfile.mkdtemp(prefix="offloop-bench-workers-"))
     try:
         torch.optim.SGD(torch.nn.Linear(1, 1).parameters())  # the one-time torch._dynamo import

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import time
 import uuid
 from collections.abc import Callable
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 __all__ = ["ConnectionCap", "MAX_CONNECTIONS"]
 
@@ -55,7 +55,7 @@ class ConnectionCap:
     def take(self, _monitor: zmq.Socket | None = None) -> None:
         """Take in the monitor's events (a poll handler)."""
         while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
+            event = _monitor_event(self.monitor.recv_multipart())
             kind, fd = event["event"], event["value"]
             if kind == zmq.EVENT_ACCEPTED:
                 port = _port(event["endpoint"])
@@ -81,6 +81,14 @@ class ConnectionCap:
 
     def close(self) -> None:
         self.monitor.close(linger=0)
+
+
+def _monitor_event(frames: list[bytes]) -> dict:
+    """A monitor message as pyzmq's `parse_monitor_message` reads it: the event, its value
+    (a descriptor, an error number) and the endpoint. Read here because pyzmq's module for
+    it imports asyncio, which a worker's start would pay for (docs/benchmarks.md)."""
+    event, value = struct.unpack("=hi", frames[0])
+    return {"event": zmq.Event(event), "value": value, "endpoint": frames[1]}
 
 
 def _port(endpoint: bytes) -> int | None:

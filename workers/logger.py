@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from offloop.workers.deliveries import Deliveries
 
@@ -25,6 +23,9 @@ from offloop.workers.destinations import (
     TensorboardLogger,
 )
 from offloop.workers.scalars import as_scalar
+
+if TYPE_CHECKING:  # imported where images are made: a worker starts without numpy
+    import numpy as np
 
 __all__ = ["Logger", "as_hwc_images", "ConsoleLogger", "FileLogger", "JSONLLogger",
            "LoggerDestination", "MissingExtraError", "TensorBoardLogger", "TensorboardLogger"]
@@ -143,7 +144,7 @@ class Logger:
         step = self._state.timestamp.batch if step is None else step
         images = as_hwc_images(images, channels_last)
         if self._deliveries is not None:  # made later: a caller may reuse its array meanwhile
-            images = [np.array(image) for image in images]
+            images = [image.copy() for image in images]
         self._each("log_images", images, name, step)
 
     def log_table(self, columns: list[str], rows: list[list[Any]], name: str = "Table",
@@ -174,6 +175,8 @@ def _values_now(metrics: dict[str, Any]) -> dict[str, Any]:
 
 def as_hwc_images(images: Any, channels_last: bool = False) -> list[np.ndarray]:
     """Images as HWC numpy arrays, one per image, whatever layout Composer accepts."""
+    import numpy as np
+
     if isinstance(images, (list, tuple)):
         return [image for item in images for image in as_hwc_images(item, channels_last)]
     if hasattr(images, "detach"):

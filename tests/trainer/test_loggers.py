@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from helpers.import_watch import ReportsTorch
 from helpers.logging_parts import Breaks, LogsImages, OwnProcessLogs, Stalls
 from helpers.tracking_servers import MlflowServer, wandb_history, wandb_records
 from helpers.trainers import loader, small_trainer
@@ -64,6 +65,17 @@ def test_tensorboard_event_files_hold_the_loss_eval_metrics_callbacks_logs_and_h
     assert all(e.value == 0.5 for e in events.Scalars("metrics/train/aux"))
     hparams = events.PluginTagToContent("hparams")  # add_hparams' summaries, beside the scalars
     assert "_hparams_/session_start_info" in hparams and b"width" in hparams["_hparams_/experiment"]
+
+
+def test_the_tensorboard_logger_writes_without_torch_in_its_worker(tmp_path):
+    # torch's SummaryWriter imports torch: over a second of the worker's start, most of its memory
+    log_dir = tmp_path / "tb"
+    with _trainer(tmp_path, [TensorboardLogger(log_dir=str(log_dir))], [ReportsTorch()]) as trainer:
+        trainer.fit()
+    events = EventAccumulator(str(log_dir / "logged"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("worker/torch_imported")] == [0.0]
+    assert [e.step for e in events.Scalars("loss/train/total")] == list(range(1, 9))
 
 
 def test_a_file_logger_writes_text_and_jsonl(tmp_path):

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from offloop.workers.scalars import as_scalar
+
+if TYPE_CHECKING:  # numpy is imported where images are made, not at a worker's start
+    import numpy as np
 
 __all__ = ["LoggerDestination", "MissingExtraError", "check_flush_interval", "format_value",
            "jsonable", "require_extra"]

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from offloop.workers.destinations.base import (
     LoggerDestination,
@@ -15,6 +13,10 @@ from offloop.workers.destinations.base import (
     jsonable,
     require_extra,
 )
+from offloop.workers.destinations.tensorboard_events import EventWriter
+
+if TYPE_CHECKING:  # numpy is imported where images are made, not at a worker's start
+    import numpy as np
 
 __all__ = ["TensorboardLogger", "TensorBoardLogger"]
 
@@ -52,7 +54,7 @@ class TensorboardLogger(LoggerDestination):
     @property
     def writer(self):
         if self._writer is None:
-            self._writer = _summary_writer()(self._directory())
+            self._writer = EventWriter(self._directory())
         return self._writer
 
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
@@ -67,12 +69,12 @@ class TensorboardLogger(LoggerDestination):
     def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
         flat = {key: value if isinstance(value, (int, float, str, bool))
                 else json.dumps(jsonable(value)) for key, value in hparams.items()}
-        self.writer.add_hparams(flat, {}, run_name=".")  # beside the scalars, not a run of its own
+        self.writer.add_hparams(flat)
 
     def log_images(self, images: list[np.ndarray], name: str, step: int) -> None:
         for index, image in enumerate(images):
             tag = name if len(images) == 1 else f"{name}/{index}"
-            self.writer.add_image(tag, image, step, dataformats="HWC")
+            self.writer.add_image(tag, image, step)
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -86,9 +88,3 @@ class TensorboardLogger(LoggerDestination):
 #: Lightning's spelling, kept for code that imports it: the same class. (It was a subclass
 #: writing straight into `log_dir`, flushing every call: `run_folder=False, flush_interval=1`.)
 TensorBoardLogger = TensorboardLogger
-
-
-def _summary_writer():
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter

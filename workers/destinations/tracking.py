@@ -13,9 +13,7 @@ import fnmatch
 import math
 import os
 import time
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from offloop.workers.destinations.base import (
     LoggerDestination,
@@ -24,6 +22,9 @@ from offloop.workers.destinations.base import (
     require_extra,
 )
 from offloop.workers.scalars import as_float, as_scalar
+
+if TYPE_CHECKING:  # imported where images are made: a worker starts without numpy
+    import numpy as np
 
 __all__ = ["MLFlowLogger", "WandBLogger", "MissingExtraError"]
 
@@ -200,6 +201,8 @@ def _same(a: float, b: float) -> bool:
 
 def _unit_range(image: np.ndarray) -> np.ndarray:
     """uint8 as it is; floats clipped to [0, 1], as MLflow's and wandb's image types want."""
+    import numpy as np
+
     if image.dtype == np.uint8:
         return image
     return np.clip(image.astype(np.float32), 0.0, 1.0)
