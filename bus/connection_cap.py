@@ -50,34 +50,50 @@ class ConnectionCap:
         self.monitor.connect(endpoint)
         self.live: set[int] = set()  # the descriptors of the connections in force
         self.cut = 0  # connections shut down because `cap` were already open
+        self.port: int | None = None  # the listener's, from the first connection
         self._recounted = 0.0  # monotonic time of the last look
 
-    def take(self, _monitor: zmq.Socket | None = None) -> None:
-        """Take in the monitor's events (a poll handler)."""
+    def take(self, _monitor: zmq.Socket | None = None) -> tuple[list[int], list[int]]:
+        """Take in the monitor's events (a poll handler); the descriptors of the
+        connections kept and of those that ended meanwhile, in order."""
+        opened, closed = [], []
         while self.monitor.poll(0):
             event = _monitor_event(self.monitor.recv_multipart())
             kind, fd = event["event"], event["value"]
             if kind == zmq.EVENT_ACCEPTED:
-                port = _port(event["endpoint"])
+                port = self.port = _port(event["endpoint"])
                 if len(self.live) >= self.cap:
-                    self._recount(port)
+                    closed += self._recount(port)
                 if len(self.live) < self.cap:
                     self.live.add(fd)
+                    opened.append(fd)
                 else:
                     self.cut += 1
                     _shut_down(fd, port)
             elif kind == zmq.EVENT_DISCONNECTED:
-                self.live.discard(fd)
+                if fd in self.live:
+                    self.live.discard(fd)
+                    closed.append(fd)
             elif self._on_event is not None:
                 self._on_event(event)
+        return opened, closed
 
-    def _recount(self, port: int | None) -> None:
+    def cut_off(self, fd: int) -> None:
+        """Shut down the connection on `fd`, if it is still one of this socket's (libzmq
+        closes it and says so on the monitor)."""
+        _shut_down(fd, self.port)
+
+    def _recount(self, port: int | None) -> list[int]:
         """Forget any connection that ended unseen (the monitor's pipe loses no event, so
-        this is a guard): at most once every _RECOUNT seconds, not at every connection cut."""
+        this is a guard): at most once every _RECOUNT seconds, not at every connection cut.
+        The descriptors forgotten."""
         now = time.monotonic()
-        if now - self._recounted >= _RECOUNT:
-            self._recounted = now
-            self.live = {fd for fd in self.live if _accepted_on(fd, port)}
+        if now - self._recounted < _RECOUNT:
+            return []
+        self._recounted = now
+        gone = [fd for fd in self.live if not _accepted_on(fd, port)]
+        self.live.difference_update(gone)
+        return gone
 
     def close(self) -> None:
         self.monitor.close(linger=0)

@@ -1,5 +1,15 @@
-"""The events proxy: libzmq's XSUB/XPUB proxy, run in C without the GIL, stopped and
-started again around a cut. The trainer's publisher and `offloop relay` both run it.
+"""The events proxy: a thread that forwards events from the inproc XSUB to the public
+XPUB and subscriptions the other way; stopped and started again around a cut. The
+trainer's publisher and `offloop relay` both run it, in one of two ways:
+
+- libzmq's proxy, in C without the GIL (a run without keys: every local account may
+  already halt it, so it trusts its peers with subscriptions too);
+- with subscriptions capped (a run with keys, where a monitor key is trusted with less):
+  the public socket is in ZMQ_XPUB_MANUAL mode, so libzmq files a subscription only when
+  this thread says so, after `SubscriptionCap` has counted it against the connection that
+  sent it (its descriptor comes with the message). libzmq's proxy cannot tell which peer
+  sent what, so this loop is Python's, and costs the process three to four times the
+  CPU a burst that libzmq's does, with the GIL (docs/benchmarks.md, docs/reliability.md).
 
 A cut unbinds the public socket (closing every connection made through its endpoint)
 and binds the same port again: libzmq checks a CURVE key only at the handshake and
@@ -14,28 +24,142 @@ import time
 
 import zmq
 
-__all__ = ["RevocationCut", "run_events_proxy"]
+from offloop.bus.connection_cap import ConnectionCap
+from offloop.bus.subscription_cap import SubscriptionCap, Verdict
+
+__all__ = ["CAPPED_OPTIONS", "RevocationCut", "run_capped_events_proxy", "run_events_proxy"]
 
 log = logging.getLogger("offloop.bus")
+
+_SUBSCRIBE, _UNSUBSCRIBE = 1, 0
+#: the public socket's ZMQ_RCVHWM: messages of a connection libzmq reads ahead of this
+#: thread. In manual mode libzmq still records every subscription it reads (to undo them
+#: when the peer leaves), so a peer past its cap must be cut before libzmq has read much
+#: more: with the default 1 000, a flood's 20 000 were all recorded before the cut
+SUBSCRIPTIONS_AHEAD = 16
+#: the public XPUB's options for run_capped_events_proxy, set before it binds
+CAPPED_OPTIONS = {"xpub_manual": 1, "rcvhwm": SUBSCRIPTIONS_AHEAD}
 
 
 def run_events_proxy(front: zmq.Socket, back: zmq.Socket, control: zmq.Socket, cut: threading.Event,
                      endpoint: str) -> None:
-    """Proxy `front` to `back` until `control` says TERMINATE; when `cut` is set, unbind
-    `back` from `endpoint`, bind it again and go on."""
+    """libzmq's proxy from `front` to `back` until `control` says TERMINATE; when `cut` is
+    set, unbind `back` from `endpoint`, bind it again and go on."""
     try:
         while True:
             zmq.proxy_steerable(front, back, None, control)
-            if not cut.is_set():
+            if not _cut_and_go_on(cut, back, endpoint):
                 return
-            cut.clear()
-            back.unbind(endpoint)
-            _bind_again(back, endpoint)
     except zmq.ContextTerminated:
         pass
     finally:
         for sock in (front, back, control):
             sock.close(linger=0)
+
+
+def run_capped_events_proxy(front: zmq.Socket, back: zmq.Socket, control: zmq.Socket,
+                            cut: threading.Event, endpoint: str, connections: ConnectionCap,
+                            subscriptions: SubscriptionCap) -> None:
+    """run_events_proxy's work in Python, filing each subscription within `subscriptions`'
+    caps; `back` was made with CAPPED_OPTIONS. `connections` is `back`'s cap, whose monitor
+    this thread reads, telling `subscriptions` of each connection's start and end."""
+    poller = zmq.Poller()
+    for sock in (connections.monitor, back, front, control):
+        poller.register(sock, zmq.POLLIN)
+    try:
+        while True:
+            ready = dict(poller.poll())
+            if connections.monitor in ready:  # first: a descriptor's end before its reuse
+                _connections(connections, subscriptions, front)
+            if back in ready:
+                _subscriptions(back, front, subscriptions, connections)
+            if front in ready:
+                _events(front, back)
+            if control in ready:
+                control.recv()
+                if not _cut_and_go_on(cut, back, endpoint):
+                    return
+    except zmq.ContextTerminated:
+        pass
+    finally:
+        for sock in (front, back, control):
+            sock.close(linger=0)
+        connections.close()
+
+
+def _cut_and_go_on(cut: threading.Event, back: zmq.Socket, endpoint: str) -> bool:
+    """TERMINATE came: after a cut, unbind `back` and bind it again, and go on (True);
+    otherwise the proxy ends."""
+    if not cut.is_set():
+        return False
+    cut.clear()
+    back.unbind(endpoint)
+    _bind_again(back, endpoint)
+    return True
+
+
+def _events(front: zmq.Socket, back: zmq.Socket) -> None:
+    """Every events message waiting, forwarded without a copy (a tracked one completes
+    once every subscriber's connection has it, as through libzmq's proxy). Frame by
+    frame: recv_multipart's list and loop cost more than the forwarding itself."""
+    recv, send = front.recv, back.send
+    while True:
+        try:
+            frame = recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        while frame.more:  # a message of several frames (tensors) leaves whole, in order
+            send(frame, zmq.SNDMORE, copy=False)
+            frame = recv(copy=False)
+        send(frame, copy=False)
+
+
+def _connections(connections: ConnectionCap, ledger: SubscriptionCap, front: zmq.Socket) -> None:
+    """Connections come and go: a connection that ended takes what it filed with it,
+    passed upstream here (libzmq's own undoings name everything the peer sent, filed or
+    not, and would take away a prefix another connection holds)."""
+    opened, closed = connections.take()
+    for fd in opened:
+        ledger.opened(fd)
+    for fd in closed:
+        for prefix in ledger.closed(fd):
+            front.send(b"\x00" + prefix)
+
+
+def _subscriptions(back: zmq.Socket, front: zmq.Socket, ledger: SubscriptionCap,
+                   connections: ConnectionCap) -> None:
+    """Every message the public socket's peers sent: a subscription is filed and passed
+    upstream if the ledger allows it; an unsubscription only of what that connection has
+    filed; anything else goes upstream, where the publisher counts it (`events_foreign`)."""
+    while True:
+        try:
+            message = back.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        data = message.bytes
+        if not data or data[0] not in (_SUBSCRIBE, _UNSUBSCRIBE):
+            front.send(message)
+            continue
+        try:
+            fd = message.get(zmq.SRCFD)
+        except zmq.ZMQError:  # libzmq's own, for a closed connection: _connections did it
+            continue
+        prefix = data[1:]
+        if data[0] == _UNSUBSCRIBE:
+            if ledger.unsubscribe(fd, prefix):
+                back.setsockopt(zmq.UNSUBSCRIBE, prefix)  # for the connection it came by
+                front.send(message)
+            continue
+        verdict = ledger.subscribe(fd, prefix)
+        if verdict is Verdict.FILE:
+            back.setsockopt(zmq.SUBSCRIBE, prefix)
+            front.send(message)
+        elif verdict is Verdict.CUT:
+            if ledger.cut & (ledger.cut - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
+                log.warning("offloop: cut an events connection that asked for more than %d "
+                            "subscriptions or for one longer than any topic (%d connections cut "
+                            "so far)", ledger.per_peer, ledger.cut)
+            connections.cut_off(fd)
 
 
 def _bind_again(sock: zmq.Socket, endpoint: str, attempts: int = 50) -> None:
@@ -70,5 +194,5 @@ class RevocationCut:
             return False
         self._seen = self._access.revocations
         self._cut.set()
-        self._control.send(b"TERMINATE")  # the proxy returns, rebinds, and runs again
+        self._control.send(b"TERMINATE")  # the proxy rebinds, and runs on
         return True

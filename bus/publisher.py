@@ -8,13 +8,15 @@ Sockets (the first is the outbox's, the others the service's)::
 
     publishing thread  XPUB (NODROP, HWM = queue_size) --inproc--+
       (events; heartbeats too, sent by the service thread under the outbox's lock)
-    service thread     XPUB (sees subscriptions) ----------------+--> XSUB ==proxy(C)==>
+    service thread     XPUB (sees subscriptions) ----------------+--> XSUB ==proxy==>
                                                                       XPUB tcp (events)
     service thread     ROUTER tcp (late-join state, run info, ping)          (state)
 
-The proxy runs in libzmq without the GIL, so the publishing thread pays one non-blocking
-send per message and nothing more. A send that finds the proxy asleep wakes it, which
-costs the sender a cross-CPU wake-up (benchmarks/bus.py, `ratio_send_only`); a loop that
+The proxy has a thread of its own (`events_proxy`), so the publishing thread pays one
+non-blocking send per message and nothing more; the proxy files each subscription by the
+connection that sent it, within caps (`subscription_cap`). A send that finds the proxy
+asleep wakes it, which costs the sender a cross-CPU wake-up (benchmarks/bus.py,
+`ratio_send_only`); a loop that
 publishes many events a step can `hold()` them and `release()` them in one burst, which
 wakes the proxy once. Subscribers of everything get each burst as one message (topic
 ``_burst``: one receive and one decode for a whole step's events); subscribers of single
@@ -72,6 +74,7 @@ class Publisher:
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
         curve=None,
+        cap_subscriptions: bool | None = None,
     ) -> None:
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
@@ -95,7 +98,9 @@ class Publisher:
         self._service = PublisherService(
             interest=self.interest, held=self.held, outbox=self.outbox, stats=self.stats,
             encoder=EventEncoder(run_id, self.publisher_id, rank), limits=limits, curve=curve,
-            release=self.release, release_locked=self._release_locked)
+            release=self.release, release_locked=self._release_locked,
+            # with keys by default: a monitor key is trusted with less (events_proxy)
+            cap_subscriptions=curve is not None if cap_subscriptions is None else cap_subscriptions)
         #: refusals() -> {kind: count}: what the run's sockets refused so far, as heartbeats say
         self.refusals: Callable[[], dict[str, int]] = self._service.refusals
         self.late_join = self._service.late_join

@@ -15,19 +15,26 @@ from collections.abc import Callable
 import zmq
 
 from offloop.bus.connection_cap import ConnectionCap
-from offloop.bus.events_proxy import RevocationCut, run_events_proxy
+from offloop.bus.events_proxy import (
+    CAPPED_OPTIONS,
+    RevocationCut,
+    run_capped_events_proxy,
+    run_events_proxy,
+)
 from offloop.bus.held import HeldEvents
 from offloop.bus.interest import Interest
 from offloop.bus.late_join import LateJoin
 from offloop.bus.outbox import Outbox
 from offloop.bus.publisher_stats import PublisherStats
 from offloop.bus.request_budget import RequestBudget
+from offloop.bus.subscription_cap import SubscriptionCap
 from offloop.bus.wire import MAX_SUBSCRIPTION_BYTES, EventEncoder, Limits, request_socket_cap
 
 __all__ = ["PublisherService", "STALL_CHECK"]
 
 #: seconds between the final heartbeats
 FINAL_BEAT_GAP = 0.1
+_LIVE_CHECK = 0.005  # seconds between looks, meanwhile, at whether a subscriber is still connected
 #: seconds: held events older than this (and the hold interval) leave from the service thread
 STALL_CHECK = 0.05
 #: requests of one connection libzmq reads ahead for the state socket: a client asks one at
@@ -42,7 +49,7 @@ class PublisherService:
 
     def __init__(self, *, interest: Interest, held: HeldEvents, outbox: Outbox,
                  stats: PublisherStats, encoder: EventEncoder, limits: Limits, curve,
-                 release, release_locked) -> None:
+                 release, release_locked, cap_subscriptions: bool) -> None:
         self.interest, self.held, self.outbox, self.stats = interest, held, outbox, stats
         self.late_join = LateJoin(encoder, interest, held, outbox.lock, stats, limits, curve,
                                   release_locked, self.track, self.beat)
@@ -52,6 +59,8 @@ class PublisherService:
         self._revocation: RevocationCut | None = None
         self._threads: list[threading.Thread] = []
         self._caps: dict[str, ConnectionCap] = {}
+        # the events proxy's thread's alone; None: libzmq's proxy, no cap (events_proxy)
+        self._subscriptions = SubscriptionCap() if cap_subscriptions else None
 
     def start(self, ctx: zmq.Context, inproc: str, host: str, events_port: int,
               state_port: int, queue_size: int, subscriber_hwm: int) -> dict[str, str]:
@@ -59,12 +68,14 @@ class PublisherService:
         threads; the endpoints."""
         front = _socket(ctx, zmq.XSUB, rcvhwm=1)
         front.bind(inproc)
+        capped = self._subscriptions is not None
         back = _socket(ctx, zmq.XPUB, sndhwm=subscriber_hwm, linger=0,
-                       maxmsgsize=MAX_SUBSCRIPTION_BYTES)  # a longer one is no subscription
+                       maxmsgsize=MAX_SUBSCRIPTION_BYTES,  # a longer one is no subscription
+                       **(CAPPED_OPTIONS if capped else {}))
         router = _socket(ctx, zmq.ROUTER, maxmsgsize=request_socket_cap(self.late_join.limits),
                          linger=0, rcvhwm=STATE_RCVHWM)
-        # monitors before binding: every connection is seen (their sockets are the proxy's
-        # and this thread's; the monitors are read here)
+        # monitors before binding: every connection is seen (read here; the events socket's
+        # by the proxy's thread where it files subscriptions by connection)
         self._caps = {"events": ConnectionCap(back), "state": ConnectionCap(router)}
         events = self._bind(back, host, events_port)
         state = self._bind(router, host, state_port)
@@ -75,9 +86,14 @@ class PublisherService:
         if self._curve is not None:
             self._revocation = RevocationCut(self._curve.access, self._cut, self._proxy_ctl)
         self.outbox.connect(ctx, inproc, queue_size)
+        proxy_args = (front, back, proxy_ctl, self._cut, events)
+        if capped:
+            proxy, proxy_args = run_capped_events_proxy, (*proxy_args, self._caps["events"],
+                                                          self._subscriptions)
+        else:
+            proxy = run_events_proxy
         self._threads = [
-            threading.Thread(target=run_events_proxy, daemon=True, name="offloop-proxy",
-                             args=(front, back, proxy_ctl, self._cut, events)),
+            threading.Thread(target=proxy, args=proxy_args, daemon=True, name="offloop-proxy"),
             threading.Thread(target=self._run, daemon=True, name="offloop-publisher",
                              args=(watcher, router, stop)),
         ]
@@ -115,7 +131,7 @@ class PublisherService:
                 self.late_join.answer(sock, watcher, budget)
 
         handlers = {watcher: self.track, router: answer, stop: self._final_beats,
-                    **{cap.monitor: self._connections for cap in self._caps.values()}}
+                    **{cap.monitor: self._connections for cap in self._monitored()}}
         poller, quiet = zmq.Poller(), zmq.Poller()  # quiet: while the budget rests
         for sock in handlers:
             poller.register(sock, zmq.POLLIN)
@@ -180,24 +196,34 @@ class PublisherService:
                 return True
             next_beat = min(deadline, time.monotonic() + FINAL_BEAT_GAP)
             while connections.live and (wait := next_beat - time.monotonic()) > 0:
-                if connections.monitor.poll(math.ceil(wait * 1000)):
-                    self._connections(connections.monitor)
+                if self._subscriptions is None:  # this thread reads the monitor
+                    if connections.monitor.poll(math.ceil(wait * 1000)):
+                        self._connections(connections.monitor)
+                else:  # the proxy's thread keeps `live`
+                    time.sleep(min(wait, _LIVE_CHECK))
 
     def refusals(self) -> dict[str, int]:
         """What the run's sockets refused from peers so far, by kind: the publisher's and
         each of `refusal_sources`', those at 0 left out."""
+        self.stats.events_connections_cut = self._caps["events"].cut
+        if self._subscriptions is not None:
+            self.stats.subscriptions_refused = self._subscriptions.refused
         counts = self.stats.refusals()
         for source in self.refusal_sources:
             counts.update(source())
         return {what: n for what, n in counts.items() if n}
 
+    def _monitored(self) -> list[ConnectionCap]:
+        """The caps whose monitors this thread reads."""
+        return [cap for name, cap in self._caps.items()
+                if name == "state" or self._subscriptions is None]
+
     def _connections(self, _monitor: zmq.Socket) -> None:
-        """Connections to the events and state sockets: past MAX_CONNECTIONS each, cut."""
-        caps = self._caps
-        for cap in caps.values():
+        """Connections to the state socket (and the events socket's, when this thread
+        reads its monitor): past MAX_CONNECTIONS each, cut."""
+        for cap in self._monitored():
             cap.take()
-        self.stats.events_connections_cut = caps["events"].cut
-        self.stats.state_connections_cut = caps["state"].cut
+        self.stats.state_connections_cut = self._caps["state"].cut
 
     def _cut_revoked(self) -> None:
         """A key that lost its role keeps no events connection (events_proxy.RevocationCut)."""

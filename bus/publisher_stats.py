@@ -12,7 +12,7 @@ __all__ = ["PublisherStats", "REFUSAL_KINDS"]
 REFUSAL_KINDS = ("control_malformed", "control_oversized", "control_unauthorized",
                  "control_refused", "control_overflow", "control_stale", "control_connections",
                  "state_malformed", "state_unauthorized", "state_connections", "events_foreign",
-                 "events_connections")
+                 "events_connections", "events_subscriptions")
 
 
 @dataclass
@@ -44,6 +44,9 @@ class PublisherStats:
     #: MAX_CONNECTIONS (service thread)
     state_connections_cut: int = 0
     events_connections_cut: int = 0
+    #: subscriptions not filed: past a connection's or the socket's cap (subscription_cap;
+    #: copied from the events proxy's ledger at each heartbeat)
+    subscriptions_refused: int = 0
     #: more than MAX_OPEN_PREFIXES open prefixes were subscribed at once, at some point
     prefix_overflow: bool = False
 
@@ -52,4 +55,5 @@ class PublisherStats:
         return {"state_malformed": self.bad_requests, "state_unauthorized": self.unauthorized,
                 "state_connections": self.state_connections_cut,
                 "events_foreign": self.foreign_messages,
-                "events_connections": self.events_connections_cut}
+                "events_connections": self.events_connections_cut,
+                "events_subscriptions": self.subscriptions_refused}

@@ -32,8 +32,14 @@ import zmq
 from offloop.bus.connection_cap import MAX_CONNECTIONS, ConnectionCap
 from offloop.bus.discovery import RunInfo
 from offloop.bus.errors import WireError
-from offloop.bus.events_proxy import RevocationCut, run_events_proxy
+from offloop.bus.events_proxy import (
+    CAPPED_OPTIONS,
+    RevocationCut,
+    run_capped_events_proxy,
+    run_events_proxy,
+)
 from offloop.bus.security import SecurityError
+from offloop.bus.subscription_cap import PER_PEER, SubscriptionCap
 from offloop.bus.wire import (
     DEFAULT_LIMITS,
     HEARTBEAT_TOPIC,
@@ -70,6 +76,7 @@ class RelayStats:
     silences: int = 0  # times the trainer fell silent for longer than the heartbeat timeout
     cuts: int = 0  # events connections cut after a key was revoked
     connections_cut: int = 0  # connections shut down at once: a socket had its most already
+    subscriptions_refused: int = 0  # past a monitor's or the relay's cap (subscription_cap)
 
 
 class Relay:
@@ -113,7 +120,13 @@ class Relay:
         self._cut = threading.Event()
         self._threads: list[threading.Thread] = []
         self._revocation: RevocationCut | None = None
-        self._caps: list[ConnectionCap] = []
+        self._caps: dict[str, ConnectionCap] = {}
+        # with keys, as the trainer's (events_proxy): the events thread's alone; no more
+        # distinct prefixes than the trainer lets one connection have, so that the relay's
+        # own connection is never cut for its monitors' sake, and half of them a monitor,
+        # so that one alone cannot take them all
+        self._subscriptions = (SubscriptionCap(per_peer=PER_PEER // 2, total=PER_PEER)
+                               if keys is not None else None)
 
     # ------------------------------------------------------------ set-up
 
@@ -125,8 +138,10 @@ class Relay:
         # options before bind/connect: libzmq reads them when it makes each connection's pipe
         front = self._upstream_socket(zmq.XSUB, "events", rcvhwm=self.subscriber_hwm,
                                       maxmsgsize=self.limits.max_message_bytes)
+        capped = self._subscriptions is not None
         back = self._public_socket(zmq.XPUB, "events", RELAY_EVENTS_CONNECTIONS,
-                                   sndhwm=self.subscriber_hwm, maxmsgsize=MAX_SUBSCRIPTION_BYTES)
+                                   sndhwm=self.subscriber_hwm, maxmsgsize=MAX_SUBSCRIPTION_BYTES,
+                                   **(CAPPED_OPTIONS if capped else {}))
         proxy_ctl = ctx.socket(zmq.PAIR)
         proxy_ctl.bind(self._inproc + "-proxy")
         self._proxy_ctl = ctx.socket(zmq.PAIR)
@@ -148,10 +163,15 @@ class Relay:
         self._stop = ctx.socket(zmq.PAIR)
         self._stop.connect(self._inproc + "-stop")
 
+        proxy_args = (front, back, proxy_ctl, self._cut, self.endpoints["events"])
+        if capped:
+            proxy, proxy_args = run_capped_events_proxy, (*proxy_args, self._caps["events"],
+                                                          self._subscriptions)
+        else:
+            proxy = run_events_proxy
         self._threads = [
-            threading.Thread(target=run_events_proxy, args=(front, back, proxy_ctl, self._cut,
-                                                            self.endpoints["events"]),
-                             daemon=True, name="offloop-relay-events"),
+            threading.Thread(target=proxy, args=proxy_args, daemon=True,
+                             name="offloop-relay-events"),
             threading.Thread(target=self._serve, args=(sockets, beats, stop), daemon=True,
                              name="offloop-relay-requests"),
         ]
@@ -164,7 +184,7 @@ class Relay:
         """A socket monitors connect to (a CURVE server with keys) and at most
         `max_connections` at once, bound; its endpoint kept."""
         sock = self._socket(kind, self.keys, **options)
-        self._caps.append(ConnectionCap(sock, max_connections))  # before bind: sees them all
+        self._caps[name] = ConnectionCap(sock, max_connections)  # before bind: sees them all
         sock.bind(f"tcp://{self.host}:{self._ports[name] or '*'}")
         self.endpoints[name] = sock.last_endpoint.decode()
         return sock
@@ -197,7 +217,11 @@ class Relay:
             routes[dealer] = (name, public)
         poller.register(beats, zmq.POLLIN)
         poller.register(stop, zmq.POLLIN)
-        monitors = {cap.monitor: cap for cap in self._caps}
+        # with keys the events socket's monitor is the events thread's (it files subscriptions
+        # by connection)
+        requests = [cap for name, cap in self._caps.items()
+                    if name != "events" or self._subscriptions is None]
+        monitors = {cap.monitor: cap for cap in requests}
         for monitor in monitors:
             poller.register(monitor, zmq.POLLIN)
         silent, next_check = False, time.monotonic()
@@ -209,9 +233,11 @@ class Relay:
                 if beats in ready:
                     silent = self._heard(beats, silent)
                 if any(monitor in ready for monitor in monitors):
-                    for cap in self._caps:
+                    for cap in requests:
                         cap.take()
-                    self.stats.connections_cut = sum(cap.cut for cap in self._caps)
+                self.stats.connections_cut = sum(cap.cut for cap in self._caps.values())
+                if self._subscriptions is not None:
+                    self.stats.subscriptions_refused = self._subscriptions.refused
                 for sock in ready:
                     if sock in routes:
                         name, other = routes[sock]
@@ -237,7 +263,7 @@ class Relay:
                 dealer.close(linger=0)
             beats.close(linger=0)
             stop.close(linger=0)
-            for cap in self._caps:
+            for cap in requests:
                 cap.close()
 
     def _heard(self, beats: zmq.Socket, silent: bool) -> bool:

@@ -793,20 +793,18 @@ def _receive_one(sub, publisher, topic="batch_end", timeout=10.0):
     raise AssertionError(f"no {topic} within {timeout}s")
 
 
-def test_subscriptions_longer_than_any_topic_cut_their_sender_and_cost_the_publisher_nothing(spawn):
-    # issue 44: 1,500 prefixes of 4,000 bytes (6 MB sent) took the trainer from 23 to
-    # 1,058 MiB (1,035 here), every byte of each filed in libzmq's subscription tries;
-    # a frame past MAX_SUBSCRIPTION_BYTES now cuts its sender's connection in libzmq
-    from offloop.bus.wire import MAX_SUBSCRIPTION_BYTES
-
-    child = spawn("streaming_publisher", 60)
+def _flood_beside_a_subscriber(child, prefixes: list[bytes]) -> dict:
+    """A subscriber of batch_end on `child`'s publisher, then one SUB socket sending every
+    prefix (again each time libzmq reconnects it) for 3 s: the publisher's peak growth in
+    bytes, the events the subscriber received meanwhile, its gaps, and what the latest
+    heartbeat said was refused."""
     endpoints = child.line()
     assert child.line()["published"] == 100
     pid = child.popen.pid
     before = _memory(pid)["VmRSS"]
     ctx = zmq.Context()
     flood = ctx.socket(zmq.SUB)
-    flood.sndhwm = 0  # all 1 500 leave, each time it connects (libzmq sends them again)
+    flood.sndhwm = 0  # all of them leave, each time it connects (libzmq sends them again)
     flood.linger = 0
     try:
         with Subscriber(endpoints["events"], topics=["batch_end"]) as good:
@@ -815,20 +813,31 @@ def test_subscriptions_longer_than_any_topic_cut_their_sender_and_cost_the_publi
             while good.recv(timeout=0.1) is None:
                 assert time.monotonic() < deadline, "no batch_end before the flood"
             flood.connect(endpoints["events"])
-            for i in range(1500):
-                flood.subscribe(b"%06d" % i + b"x" * 3994)
+            for prefix in prefixes:
+                flood.subscribe(prefix)
             received, deadline = 0, time.monotonic() + 3  # the flood reconnects meanwhile
             while time.monotonic() < deadline:
                 received += good.recv(timeout=0.05) is not None
-            grown = _memory(pid)["VmHWM"] - before
-            gaps = good.stats.gaps
+            return {"grown": _memory(pid)["VmHWM"] - before, "received": received,
+                    "gaps": good.stats.gaps, "refused": dict(good.publisher_refused)}
     finally:
         flood.close()
         ctx.term()
-    report("long_subscriptions", peak_growth_mib=round(grown / 2**20, 1), received=received,
-           gaps=gaps, max_subscription_bytes=MAX_SUBSCRIPTION_BYTES)
+
+
+def test_subscriptions_longer_than_any_topic_cut_their_sender_and_cost_the_publisher_nothing(spawn):
+    # issue 44: 1,500 prefixes of 4,000 bytes (6 MB sent) took the trainer from 23 to
+    # 1,058 MiB (1,035 here), every byte of each filed in libzmq's subscription tries;
+    # a frame past MAX_SUBSCRIPTION_BYTES now cuts its sender's connection in libzmq
+    from offloop.bus.wire import MAX_SUBSCRIPTION_BYTES
+
+    flood = _flood_beside_a_subscriber(spawn("streaming_publisher", 60),
+                                       [b"%06d" % i + b"x" * 3994 for i in range(1500)])
+    grown = flood["grown"]
+    report("long_subscriptions", peak_growth_mib=round(grown / 2**20, 1), received=flood["received"],
+           gaps=flood["gaps"], max_subscription_bytes=MAX_SUBSCRIPTION_BYTES)
     assert grown < 16 << 20, f"the publisher grew by {grown / 2**20:.0f} MiB"
-    assert received > 100 and gaps == 0, "the flood cost the other subscriber its events"
+    assert flood["received"] > 100 and flood["gaps"] == 0, "the flood cost the other subscriber its events"
 
 
 def test_a_topic_longer_than_the_wire_carries_is_refused_by_name(publisher):
@@ -915,3 +924,77 @@ def test_the_state_and_events_sockets_keep_at_most_max_connections_each_and_coun
         for conns in held.values():
             for conn in conns:
                 conn.close()
+
+
+def test_many_short_subscriptions_from_one_peer_cut_it_and_cost_the_publisher_little(spawn):
+    # issue 44: prefixes within the length limit were not bounded in number: 20 000 of 256
+    # bytes from one SUB socket took the publisher up by 632-748 MiB. With subscriptions
+    # capped (a run with keys), each connection may file PER_PEER; one asking for more is
+    # cut (and counted), however often it returns
+    from offloop.bus.subscription_cap import PER_PEER
+
+    flood = _flood_beside_a_subscriber(spawn("streaming_publisher", 60, "capped"),
+                                       [b"%06d" % i + b"x" * 249 for i in range(20_000)])  # 255 bytes
+    grown = flood["grown"]
+    report("many_short_subscriptions", peak_growth_mib=round(grown / 2**20, 1), received=flood["received"],
+           gaps=flood["gaps"], refused=flood["refused"], per_peer=PER_PEER)
+    assert grown < 64 << 20, f"the publisher grew by {grown / 2**20:.0f} MiB"
+    assert flood["received"] > 100 and flood["gaps"] == 0, "the flood cost the other subscriber its events"
+    assert flood["refused"].get("events_subscriptions", 0) >= 1, "the cut counted in the heartbeats"
+
+
+def test_subscriptions_past_the_sockets_total_are_refused_and_room_comes_back_when_peers_leave():
+    from offloop.bus.subscription_cap import PER_PEER, TOTAL
+
+    ctx = zmq.Context()
+    publisher = Publisher("capped-run", heartbeat_interval=0.1, context=ctx, cap_subscriptions=True)
+    publisher.start()
+    peers = []
+    per_peer = PER_PEER - 6  # each within its own cap: none is cut
+    count = TOTAL // per_peer + 1
+    try:
+        with Subscriber(publisher.endpoints["events"], topics=["batch_end"], context=ctx) as good:
+            good.connect()
+            wait_until(lambda: publisher.wants("batch_end"), 5, "the subscription")
+            ledger = publisher._service._subscriptions
+            base = ledger.in_force  # the good subscriber's: its topic and the heartbeats'
+            for p in range(count):
+                peer = ctx.socket(zmq.SUB)
+                peer.linger = 0
+                peer.connect(publisher.endpoints["events"])
+                for i in range(per_peer):
+                    peer.subscribe(f"zz{p:03d}-{i:04d}")
+                peers.append(peer)
+            excess = base + count * per_peer - TOTAL
+            wait_until(lambda: publisher.refusals().get("events_subscriptions") == excess, 15,
+                       f"{excess} subscriptions refused")
+            assert ledger.in_force == TOTAL and ledger.cut == 0
+            publisher.publish("batch_end", (0, 1, 1, 1, 0), {"i": 1})  # filed before: still served
+            assert good.recv(timeout=5).data == {"i": 1}
+            for peer in peers:
+                peer.close()
+            wait_until(lambda: ledger.in_force == base, 10, "the peers' prefixes released")
+    finally:
+        for peer in peers:
+            peer.close()
+        publisher.close(linger=0)
+        ctx.term()
+
+
+@pytest.mark.guarantee
+@pytest.mark.parametrize("capped", [False, True])
+def test_a_peer_cannot_take_away_a_subscription_another_holds(capped):
+    publisher = Publisher("shared-run", heartbeat_interval=0.1, cap_subscriptions=capped)
+    publisher.start()
+    try:
+        with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"]) as sub:  # bursts
+            sub.connect()
+            wait_until(lambda: publisher.wants("batch_end"), 5, "the subscription")
+            _peer_sends(publisher.endpoints["events"], b"\x00" + BURST_PREFIX)  # never subscribed it
+            _peer_sends(publisher.endpoints["events"], b"\x00")  # nor everything
+            assert publisher.wants("batch_end")
+            publisher.publish("batch_end", (0, 1, 1, 1, 0), {"i": 1})
+            assert sub.recv(timeout=5).data == {"i": 1}
+            assert publisher.refusals().get("events_subscriptions") is None
+    finally:
+        publisher.close(linger=0)

@@ -306,6 +306,51 @@ def test_with_keys_the_longest_topic_is_subscribed_through_the_relay(tmp_path, k
                 wait_until(served, 10, "the longest topic through the relay, with keys")
 
 
+def test_with_keys_a_monitor_key_asking_too_many_subscriptions_is_cut_at_the_trainer_and_the_relay(
+        tmp_path, keys):
+    # issue 44: a run with keys caps what each connection files (subscription_cap); a
+    # relay passes on at most what the trainer lets one connection have, so the trainer
+    # never cuts the relay, and the monitor behind it is served
+    from offloop.bus.subscription_cap import PER_PEER
+
+    with a_run(tmp_path, keys=keys) as (pub, _, run_dir):
+        info = read_run_info(run_dir)
+        server = load_server_keys(keys)
+        ctx = zmq.Context()
+        floods = []
+        try:
+            with Relay(info, keys=server, upstream=load_client_keys(keys, "relay", info.curve_public),
+                       context=ctx) as relay:
+                watcher = load_client_keys(keys, "watcher", server.public.decode())
+                with Subscriber(relay.endpoints["events"], topics=["batch_end"], curve=watcher) as sub:
+                    sub.connect()
+                    for endpoint, their_key in ((pub.endpoints["events"], info.curve_public),
+                                                (relay.endpoints["events"], server.public.decode())):
+                        flood = ctx.socket(zmq.SUB)
+                        flood.linger = 0
+                        flood.reconnect_ivl = -1  # cut once, it stays away: each cut is one flood
+                        load_client_keys(keys, "watcher", their_key).apply(flood)
+                        flood.connect(endpoint)
+                        for i in range(PER_PEER + 50):
+                            flood.subscribe(f"junk-{i:04d}")
+                        floods.append(flood)
+                    wait_until(lambda: pub.refusals().get("events_subscriptions", 0) >= 1
+                               and relay.stats.subscriptions_refused >= 1, 15,
+                               "the flood refused at the trainer and at the relay")
+
+                    def served() -> bool:
+                        pub.publish("batch_end", (0, 1, 1, 1, 0), {"i": 1})
+                        return sub.recv(timeout=0.05) is not None
+
+                    wait_until(served, 10, "batch_end through the relay meanwhile")
+                    # one cut each: the trainer never cut the relay for its monitors' flood
+                    assert pub._service._subscriptions.cut == 1 and relay._subscriptions.cut == 1
+        finally:
+            for flood in floods:
+                flood.close()
+            ctx.term()
+
+
 def test_the_relay_keeps_at_most_max_connections_on_its_request_sockets(tmp_path):
     from helpers.raw_zmtp import hold_partial, is_closed
 
