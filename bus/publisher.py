@@ -12,15 +12,13 @@ Sockets (the first is the outbox's, the others the service's)::
                                                                       XPUB tcp (events)
     service thread     ROUTER tcp (late-join state, run info, ping)          (state)
 
-The proxy has a thread of its own (`events_proxy`), so the publishing thread pays one
-non-blocking send per message and nothing more; the proxy files each subscription by the
-connection that sent it, within caps (`subscription_cap`). A send that finds the proxy
-asleep wakes it, which costs the sender a cross-CPU wake-up (benchmarks/bus.py,
-`ratio_send_only`); a loop that
-publishes many events a step can `hold()` them and `release()` them in one burst, which
-wakes the proxy once. Subscribers of everything get each burst as one message (topic
-``_burst``: one receive and one decode for a whole step's events); subscribers of single
-topics get those topics' events as messages of their own.
+The proxy has a thread of its own (`events_proxy`; with keys it caps subscriptions by
+connection): the publishing thread pays one non-blocking send per message, and a send that
+finds the proxy asleep wakes it (a cross-CPU wake-up: benchmarks/bus.py, `ratio_send_only`);
+a loop that publishes many events a step can `hold()` them and `release()` them in one
+burst, which wakes the proxy once. Subscribers of everything get each burst as one message
+(``_burst``: one receive and one decode for a step's events); subscribers of single topics,
+those topics' events one message each.
 
 This class is the façade; its rooms are `interest` (what is wanted), `held` (held events,
 numbering, the latest of each topic), `outbox` (the sending socket, its lock and bounds),
@@ -98,14 +96,11 @@ class Publisher:
         self._service = PublisherService(
             interest=self.interest, held=self.held, outbox=self.outbox, stats=self.stats,
             encoder=EventEncoder(run_id, self.publisher_id, rank), limits=limits, curve=curve,
-            release=self.release, release_locked=self._release_locked,
-            # with keys by default: a monitor key is trusted with less (events_proxy)
-            cap_subscriptions=curve is not None if cap_subscriptions is None else cap_subscriptions)
+            release=self.release, release_locked=self._release_locked, capped=cap_subscriptions)
         #: refusals() -> {kind: count}: what the run's sockets refused so far, as heartbeats say
         self.refusals: Callable[[], dict[str, int]] = self._service.refusals
         self.late_join = self._service.late_join
-        self._own_context = context is None
-        self._ctx = context or zmq.Context()
+        self._own_context, self._ctx = context is None, context or zmq.Context()
         self._host, self._events_port, self._state_port = host, events_port, state_port
         self._queue_size, self._subscriber_hwm = queue_size, subscriber_hwm
         self._inproc = f"inproc://offloop-pub-{self.publisher_id}"
