@@ -8,8 +8,8 @@ trainer's publisher and `offloop relay` both run it, in one of two ways:
   the public socket is in ZMQ_XPUB_MANUAL mode, so libzmq files a subscription only when
   this thread says so, after `SubscriptionCap` has counted it against the connection that
   sent it (its descriptor comes with the message). libzmq's proxy cannot tell which peer
-  sent what, so this loop is Python's, and costs the process three to four times the
-  CPU a burst that libzmq's does, with the GIL (docs/benchmarks.md, docs/reliability.md).
+  sent what, so this loop is Python's, and costs the process several times the CPU a
+  burst that libzmq's does, with the GIL (docs/benchmarks.md, docs/reliability.md).
 
 A cut unbinds the public socket (closing every connection made through its endpoint)
 and binds the same port again: libzmq checks a CURVE key only at the handshake and
@@ -35,7 +35,7 @@ _SUBSCRIBE, _UNSUBSCRIBE = 1, 0
 #: the public socket's ZMQ_RCVHWM: messages of a connection libzmq reads ahead of this
 #: thread. In manual mode libzmq still records every subscription it reads (to undo them
 #: when the peer leaves), so a peer past its cap must be cut before libzmq has read much
-#: more: with the default 1 000, a flood's 20 000 were all recorded before the cut
+#: more: with libzmq's default, a whole flood was recorded first (docs/reliability.md)
 SUBSCRIPTIONS_AHEAD = 16
 #: the public XPUB's options for run_capped_events_proxy, set before it binds
 CAPPED_OPTIONS = {"xpub_manual": 1, "rcvhwm": SUBSCRIPTIONS_AHEAD}

@@ -2,10 +2,11 @@
 a connection, TOTAL distinct prefixes in force at once.
 
 libzmq files every prefix a peer subscribes in a trie per socket it passes through (the
-public XPUB's, the proxy's XSUB's, the outbox's and the service thread's), at about 170
-bytes of memory per byte of prefix, and keeps the memory after the peer leaves; it has no
-bound of its own (docs/reliability.md). So the public socket runs in ZMQ_XPUB_MANUAL mode:
-each subscription reaches the events proxy's thread with the descriptor of the connection
+public XPUB's, the proxy's XSUB's, the outbox's and the service thread's), at many bytes
+of memory per byte of prefix, and keeps the memory after the peer leaves; it has no bound
+of its own (docs/reliability.md). So where subscriptions are capped (with keys:
+events_proxy), the public socket runs in ZMQ_XPUB_MANUAL mode: each subscription
+reaches the events proxy's thread with the descriptor of the connection
 that sent it (ZMQ_SRCFD), and is filed only if this ledger says so. A connection that asks
 for more than PER_PEER, or for a prefix longer than any topic's (it could match nothing),
 is cut (a monitor needs a handful, a relay one per topic in use); a subscription past TOTAL
@@ -25,8 +26,8 @@ __all__ = ["PER_PEER", "TOTAL", "SubscriptionCap", "Verdict"]
 #: distinct prefixes one connection may have filed at once (offloop has about 40 topics,
 #: and matches more than 64 open prefixes as one anyway: interest.py)
 PER_PEER = 128
-#: distinct prefixes filed at once over every connection: at this many, of the longest
-#: topic's length, the publisher's memory grows by about 35 MiB (docs/reliability.md)
+#: distinct prefixes filed at once over every connection: this many of the longest
+#: topic's length keep the publisher's growth well under 64 MiB (docs/reliability.md)
 TOTAL = 512
 #: the longest prefix that can match a topic: the longest topic and the NUL that ends it
 LONGEST_PREFIX = MAX_TOPIC_BYTES + 1
