@@ -27,7 +27,7 @@ import zmq
 from offloop.bus.connection_cap import ConnectionCap
 from offloop.bus.subscription_cap import SubscriptionCap, Verdict
 
-__all__ = ["CAPPED_OPTIONS", "RevocationCut", "run_capped_events_proxy", "run_events_proxy"]
+__all__ = ["CAPPED_OPTIONS", "RevocationCut", "run_events_proxy"]
 
 log = logging.getLogger("offloop.bus")
 
@@ -37,65 +37,59 @@ _SUBSCRIBE, _UNSUBSCRIBE = 1, 0
 #: when the peer leaves), so a peer past its cap must be cut before libzmq has read much
 #: more: with libzmq's default, a whole flood was recorded first (docs/reliability.md)
 SUBSCRIPTIONS_AHEAD = 16
-#: the public XPUB's options for run_capped_events_proxy, set before it binds
+#: the public XPUB's options where run_events_proxy caps subscriptions, set before it binds
 CAPPED_OPTIONS = {"xpub_manual": 1, "rcvhwm": SUBSCRIPTIONS_AHEAD}
 
 
-def run_events_proxy(front: zmq.Socket, back: zmq.Socket, control: zmq.Socket, cut: threading.Event,
-                     endpoint: str) -> None:
-    """libzmq's proxy from `front` to `back` until `control` says TERMINATE; when `cut` is
-    set, unbind `back` from `endpoint`, bind it again and go on."""
+def run_events_proxy(front: zmq.Socket, back: zmq.Socket, control: zmq.Socket,
+                     cut: threading.Event, endpoint: str, connections: ConnectionCap | None = None,
+                     subscriptions: SubscriptionCap | None = None) -> None:
+    """Forward `front` to `back` until `control` says TERMINATE; when `cut` is set, unbind
+    `back` from `endpoint`, bind it again and go on. Without `subscriptions`, libzmq's
+    proxy; with them, the loop here files each subscription within their caps: `back` was
+    made with CAPPED_OPTIONS, and `connections` is its cap, whose monitor this thread reads
+    (telling `subscriptions` of each connection's start and end) and closes."""
+    if subscriptions is None:
+        def forward() -> None:
+            zmq.proxy_steerable(front, back, None, control)
+    else:
+        def forward() -> None:
+            _forward_capped(front, back, control, connections, subscriptions)
     try:
         while True:
-            zmq.proxy_steerable(front, back, None, control)
-            if not _cut_and_go_on(cut, back, endpoint):
+            forward()  # until a TERMINATE: the end, or a cut
+            if not cut.is_set():
                 return
+            cut.clear()
+            back.unbind(endpoint)
+            _bind_again(back, endpoint)
     except zmq.ContextTerminated:
         pass
     finally:
         for sock in (front, back, control):
             sock.close(linger=0)
+        if subscriptions is not None:
+            connections.close()
 
 
-def run_capped_events_proxy(front: zmq.Socket, back: zmq.Socket, control: zmq.Socket,
-                            cut: threading.Event, endpoint: str, connections: ConnectionCap,
-                            subscriptions: SubscriptionCap) -> None:
-    """run_events_proxy's work in Python, filing each subscription within `subscriptions`'
-    caps; `back` was made with CAPPED_OPTIONS. `connections` is `back`'s cap, whose monitor
-    this thread reads, telling `subscriptions` of each connection's start and end."""
+def _forward_capped(front: zmq.Socket, back: zmq.Socket, control: zmq.Socket,
+                    connections: ConnectionCap, subscriptions: SubscriptionCap) -> None:
+    """libzmq's proxy in Python, with subscriptions filed by connection; returns once
+    `control` has said TERMINATE."""
     poller = zmq.Poller()
     for sock in (connections.monitor, back, front, control):
         poller.register(sock, zmq.POLLIN)
-    try:
-        while True:
-            ready = dict(poller.poll())
-            if connections.monitor in ready:  # first: a descriptor's end before its reuse
-                _connections(connections, subscriptions, front)
-            if back in ready:
-                _subscriptions(back, front, subscriptions, connections)
-            if front in ready:
-                _events(front, back)
-            if control in ready:
-                control.recv()
-                if not _cut_and_go_on(cut, back, endpoint):
-                    return
-    except zmq.ContextTerminated:
-        pass
-    finally:
-        for sock in (front, back, control):
-            sock.close(linger=0)
-        connections.close()
-
-
-def _cut_and_go_on(cut: threading.Event, back: zmq.Socket, endpoint: str) -> bool:
-    """TERMINATE came: after a cut, unbind `back` and bind it again, and go on (True);
-    otherwise the proxy ends."""
-    if not cut.is_set():
-        return False
-    cut.clear()
-    back.unbind(endpoint)
-    _bind_again(back, endpoint)
-    return True
+    while True:
+        ready = dict(poller.poll())
+        if connections.monitor in ready:  # first: a descriptor's end before its reuse
+            _connections(connections, subscriptions, front)
+        if back in ready:
+            _subscriptions(back, front, subscriptions, connections)
+        if front in ready:
+            _events(front, back)
+        if control in ready:
+            control.recv()
+            return
 
 
 def _events(front: zmq.Socket, back: zmq.Socket) -> None:

@@ -7,7 +7,6 @@ connections of a revoked key.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -15,12 +14,7 @@ from collections.abc import Callable
 import zmq
 
 from offloop.bus.connection_cap import ConnectionCap
-from offloop.bus.events_proxy import (
-    CAPPED_OPTIONS,
-    RevocationCut,
-    run_capped_events_proxy,
-    run_events_proxy,
-)
+from offloop.bus.events_proxy import CAPPED_OPTIONS, RevocationCut, run_events_proxy
 from offloop.bus.held import HeldEvents
 from offloop.bus.interest import Interest
 from offloop.bus.late_join import LateJoin
@@ -71,10 +65,9 @@ class PublisherService:
         threads; the endpoints."""
         front = _socket(ctx, zmq.XSUB, rcvhwm=1)
         front.bind(inproc)
-        capped = self._subscriptions is not None
         back = _socket(ctx, zmq.XPUB, sndhwm=subscriber_hwm, linger=0,
                        maxmsgsize=MAX_SUBSCRIPTION_BYTES,  # a longer one is no subscription
-                       **(CAPPED_OPTIONS if capped else {}))
+                       **(CAPPED_OPTIONS if self._subscriptions is not None else {}))
         router = _socket(ctx, zmq.ROUTER, maxmsgsize=request_socket_cap(self.late_join.limits),
                          linger=0, rcvhwm=STATE_RCVHWM)
         # monitors before binding: every connection is seen (read here; the events socket's
@@ -89,14 +82,10 @@ class PublisherService:
         if self._curve is not None:
             self._revocation = RevocationCut(self._curve.access, self._cut, self._proxy_ctl)
         self.outbox.connect(ctx, inproc, queue_size)
-        proxy_args = (front, back, proxy_ctl, self._cut, events)
-        if capped:
-            proxy, proxy_args = run_capped_events_proxy, (*proxy_args, self._caps["events"],
-                                                          self._subscriptions)
-        else:
-            proxy = run_events_proxy
         self._threads = [
-            threading.Thread(target=proxy, args=proxy_args, daemon=True, name="offloop-proxy"),
+            threading.Thread(target=run_events_proxy, daemon=True, name="offloop-proxy",
+                             args=(front, back, proxy_ctl, self._cut, events, self._caps["events"],
+                                   self._subscriptions)),
             threading.Thread(target=self._run, daemon=True, name="offloop-publisher",
                              args=(watcher, router, stop)),
         ]
@@ -199,11 +188,8 @@ class PublisherService:
                 return True
             next_beat = min(deadline, time.monotonic() + FINAL_BEAT_GAP)
             while connections.live and (wait := next_beat - time.monotonic()) > 0:
-                if self._subscriptions is None:  # this thread reads the monitor
-                    if connections.monitor.poll(math.ceil(wait * 1000)):
-                        self._connections(connections.monitor)
-                else:  # the proxy's thread keeps `live`
-                    time.sleep(min(wait, _LIVE_CHECK))
+                time.sleep(min(wait, _LIVE_CHECK))
+                self._connections(None)  # the monitors this thread reads; the proxy's, its own
 
     def refusals(self) -> dict[str, int]:
         """What the run's sockets refused from peers so far, by kind: the publisher's and

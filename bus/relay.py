@@ -32,12 +32,7 @@ import zmq
 from offloop.bus.connection_cap import MAX_CONNECTIONS, ConnectionCap
 from offloop.bus.discovery import RunInfo
 from offloop.bus.errors import WireError
-from offloop.bus.events_proxy import (
-    CAPPED_OPTIONS,
-    RevocationCut,
-    run_capped_events_proxy,
-    run_events_proxy,
-)
+from offloop.bus.events_proxy import CAPPED_OPTIONS, RevocationCut, run_events_proxy
 from offloop.bus.security import SecurityError
 from offloop.bus.subscription_cap import PER_PEER, SubscriptionCap
 from offloop.bus.wire import (
@@ -138,10 +133,9 @@ class Relay:
         # options before bind/connect: libzmq reads them when it makes each connection's pipe
         front = self._upstream_socket(zmq.XSUB, "events", rcvhwm=self.subscriber_hwm,
                                       maxmsgsize=self.limits.max_message_bytes)
-        capped = self._subscriptions is not None
         back = self._public_socket(zmq.XPUB, "events", RELAY_EVENTS_CONNECTIONS,
                                    sndhwm=self.subscriber_hwm, maxmsgsize=MAX_SUBSCRIPTION_BYTES,
-                                   **(CAPPED_OPTIONS if capped else {}))
+                                   **(CAPPED_OPTIONS if self._subscriptions is not None else {}))
         proxy_ctl = ctx.socket(zmq.PAIR)
         proxy_ctl.bind(self._inproc + "-proxy")
         self._proxy_ctl = ctx.socket(zmq.PAIR)
@@ -163,15 +157,11 @@ class Relay:
         self._stop = ctx.socket(zmq.PAIR)
         self._stop.connect(self._inproc + "-stop")
 
-        proxy_args = (front, back, proxy_ctl, self._cut, self.endpoints["events"])
-        if capped:
-            proxy, proxy_args = run_capped_events_proxy, (*proxy_args, self._caps["events"],
-                                                          self._subscriptions)
-        else:
-            proxy = run_events_proxy
         self._threads = [
-            threading.Thread(target=proxy, args=proxy_args, daemon=True,
-                             name="offloop-relay-events"),
+            threading.Thread(target=run_events_proxy,
+                             args=(front, back, proxy_ctl, self._cut, self.endpoints["events"],
+                                   self._caps["events"], self._subscriptions),
+                             daemon=True, name="offloop-relay-events"),
             threading.Thread(target=self._serve, args=(sockets, beats, stop), daemon=True,
                              name="offloop-relay-requests"),
         ]
