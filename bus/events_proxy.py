@@ -151,7 +151,7 @@ def _subscriptions(back: zmq.Socket, front: zmq.Socket, ledger: SubscriptionCap,
         elif verdict is Verdict.CUT:
             if ledger.cut & (ledger.cut - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
                 log.warning("offloop: cut an events connection that asked for more than %d "
-                            "subscriptions or for one longer than any topic (%d connections cut "
+                            "subscriptions or for one longer than any topic's (%d connections cut "
                             "so far)", ledger.per_peer, ledger.cut)
             connections.cut_off(fd)
 

@@ -112,6 +112,10 @@ class HeldEvents:
         # counted in one C pass: list.count per topic is quadratic in a burst of many steps
         tseq, first, counts = self.tseq, {}, {}
         _count_elements(counts, map(_TOPIC, held))
+        if not all(type(topic) is str for topic in counts):  # an Event: no map key for the packer
+            held[:] = [(str(entry[0]), *entry[1:]) for entry in held]
+            counts = {}
+            _count_elements(counts, map(_TOPIC, held))
         for topic, count in counts.items():
             n = tseq.get(topic, 0)
             first[topic] = n + 1
@@ -126,6 +130,7 @@ class HeldEvents:
         """A published-now event (not held), numbered after everything released before it;
         it is its topic's latest at once."""
         self.fold()  # what was released before this event is older than it
+        topic = str(topic)  # an Event as its value
         seq = self.advance(1)
         n = self.tseq[topic] = self.tseq.get(topic, 0) + 1
         data = data if data is not None else {}

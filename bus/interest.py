@@ -13,7 +13,15 @@ import threading
 
 from offloop.bus.events import RUN_TOPICS
 from offloop.bus.publisher_stats import PublisherStats
-from offloop.bus.wire import BURST_PREFIX, HEARTBEAT_TOPIC, MAX_TOPIC_BYTES, WireError, topic_prefix
+from offloop.bus.wire import (
+    BURST_PREFIX,
+    BURSTS_OF_TOPICS,
+    HEARTBEAT_TOPIC,
+    MAX_TOPIC_BYTES,
+    WANT_PREFIX,
+    WireError,
+    topic_prefix,
+)
 
 __all__ = ["Interest", "MAX_OPEN_PREFIXES", "check_topic"]
 
@@ -31,9 +39,11 @@ class Interest:
     `wanted` (the topics encoded when published) is changed in place, additions before
     removals, so `wants` is the set's own C `__contains__`, a call that costs no Python
     frame (an Event is a str of its value: it hashes and compares as its topic).
-    `single` are the topics sent as messages of their own; `bursts` says a subscriber
-    of everything takes whole bursts; `open_prefixes` select topics outside RUN_TOPICS,
-    which join `wanted` the first time they are published (`opens`)."""
+    `single` are the topics sent as messages of their own; `bursts` says bursts are
+    sent, `everything` that a subscriber of everything takes them (with `in_bursts`,
+    the topics subscribers of named topics take in bursts: `want_prefix`);
+    `open_prefixes` select topics outside RUN_TOPICS, which join `wanted` the first
+    time they are published (`opens`)."""
 
     def __init__(self, retained: frozenset[str], stats: PublisherStats) -> None:
         for topic in retained:
@@ -43,7 +53,8 @@ class Interest:
         self.wanted: set[str] = set(self.retained)
         self.wants = self.wanted.__contains__
         self.single: frozenset[str] = frozenset()
-        self.bursts = False
+        self.bursts = self.everything = False
+        self.in_bursts: frozenset[str] = frozenset()
         self.open_prefixes: tuple[str, ...] = ()
         self._single_prefixes: tuple[str, ...] = ()
         self._seen: set[str] = set()  # topics opened so far
@@ -79,18 +90,24 @@ class Interest:
         """Recompute what is wanted, and how it leaves, from the subscriptions in force."""
         subscriptions = tuple(self._subscriptions)
         # b"", b"_", ... b"_burst\0" select bursts: every event, one message per burst
-        bursts = any(BURST_PREFIX.startswith(p) for p in subscriptions)
-        per_topic = [p for p in subscriptions if p != _HB_PREFIX and not BURST_PREFIX.startswith(p)]
+        everything = any(BURST_PREFIX.startswith(p) for p in subscriptions)
+        # BURSTS_OF_TOPICS selects bursts too, holding the topics named by WANT_PREFIX
+        in_bursts = _topics_for(p[len(WANT_PREFIX):] for p in subscriptions
+                                if p.startswith(WANT_PREFIX) and p.endswith(b"\0"))
+        bursts = everything or BURSTS_OF_TOPICS in subscriptions
+        per_topic = [p for p in subscriptions if p != _HB_PREFIX and p != BURSTS_OF_TOPICS
+                     and not BURST_PREFIX.startswith(p) and not p.startswith(WANT_PREFIX)]
         prefixes = tuple(p.decode(errors="replace") for p in per_topic if not p.endswith(b"\0"))
         with self._lock:  # a topic opens() adds meanwhile is in `_seen` or added after
             seen = tuple(self._seen)
             single = _topics_for(per_topic)
             if prefixes:
                 single |= {t for t in seen if t.startswith(prefixes)}
-            wanted = self.retained | single
-            if bursts:
+            wanted = self.retained | single | (in_bursts if bursts else frozenset())
+            if everything:
                 wanted |= frozenset(RUN_TOPICS) | frozenset(seen)
-            self.single, self._single_prefixes, self.bursts = frozenset(single), prefixes, bursts
+            self.single, self._single_prefixes = frozenset(single), prefixes
+            self.in_bursts, self.bursts, self.everything = in_bursts, bursts, everything
             # past MAX_OPEN_PREFIXES, matched as one, "everything" (the events socket still
             # filters per subscriber): a new topic's check stays one startswith
             crowded = len(prefixes) > MAX_OPEN_PREFIXES
@@ -99,14 +116,16 @@ class Interest:
                             "topic is published from now on, and each subscriber's socket "
                             "filters", len(prefixes), MAX_OPEN_PREFIXES)
             self.stats.prefix_overflow = self.stats.prefix_overflow or crowded
-            self.open_prefixes = ("",) if bursts or crowded else prefixes
+            self.open_prefixes = ("",) if everything or crowded else prefixes
             current = self.wanted  # in place, one C call each: no wanted topic goes missing
             current |= wanted
             current -= current - wanted
 
     def covers(self, topics: list[str] | None) -> bool:
         """Whether a joiner's topics (None: everything, as bursts) are sent now."""
-        return self.bursts if topics is None else self.single.issuperset(topics)
+        if topics is None:
+            return self.everything
+        return self.single.union(self.in_bursts if self.bursts else ()).issuperset(topics)
 
 
 def check_topic(topic: str) -> None:

@@ -21,6 +21,7 @@ from offloop.bus.errors import PublisherSilent, WireError
 from offloop.bus.wire import (
     BURST_PREFIX,
     BURST_TOPIC,
+    BURSTS_OF_TOPICS,
     DEFAULT_LIMITS,
     HEARTBEAT_TOPIC,
     Limits,
@@ -30,6 +31,7 @@ from offloop.bus.wire import (
     decode_reply,
     encode_request,
     topic_prefix,
+    want_prefix,
 )
 
 __all__ = ["Subscriber", "JoinState", "SubscriberStats"]
@@ -144,9 +146,10 @@ class Subscriber:
         if self.topics is None:  # everything, as bursts: one message per burst of events
             self._sub.subscribe(topic_prefix(BURST_TOPIC))
             self._sub.subscribe(topic_prefix(HEARTBEAT_TOPIC))  # last: it proves the rest arrived
-        else:
+        else:  # its topics, in the same bursts: one message per burst still
             for topic in sorted(self.topics):
-                self._sub.subscribe(topic_prefix(topic))
+                self._sub.subscribe(want_prefix(topic))
+            self._sub.subscribe(BURSTS_OF_TOPICS)
             self._sub.subscribe(topic_prefix(HEARTBEAT_TOPIC))  # last: it proves the rest arrived
         self._sub.connect(self.events_endpoint)
         deadline = time.monotonic() + join_timeout
@@ -349,7 +352,7 @@ class Subscriber:
             self.silent_since = None
             self._resync_due = True
         if burst:
-            topics = self.topics  # a burst reaches a topic filter only through b"" by hand
+            topics = self.topics  # a burst holds the topics of every subscriber: ours are kept
             for msg in msgs:
                 if topics is None or msg.topic in topics:
                     self._accept(msg)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from offloop.bus.wire.values import MAX_TOPIC_BYTES
+from offloop.bus.wire.values import MAX_TOPIC_BYTES, WANT_PREFIX
 
 __all__ = ["PER_PEER", "TOTAL", "SubscriptionCap", "Verdict"]
 
@@ -29,8 +29,9 @@ PER_PEER = 128
 #: distinct prefixes filed at once over every connection: this many of the longest
 #: topic's length keep the publisher's growth well under 64 MiB (docs/reliability.md)
 TOTAL = 512
-#: the longest prefix that can match a topic: the longest topic and the NUL that ends it
-LONGEST_PREFIX = MAX_TOPIC_BYTES + 1
+#: the longest prefix that can name a topic: the longest topic, the NUL that ends it, and
+#: the mark of a topic taken in bursts (wire.want_prefix)
+LONGEST_PREFIX = len(WANT_PREFIX) + MAX_TOPIC_BYTES + 1
 
 
 class Verdict(Enum):

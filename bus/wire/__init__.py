@@ -27,26 +27,31 @@ from offloop.bus.wire.requests import (
 from offloop.bus.wire.values import (
     BURST_PREFIX,
     BURST_TOPIC,
+    BURSTS_OF_TOPICS,
     DEFAULT_LIMITS,
     HEARTBEAT_TOPIC,
     MAX_SUBSCRIPTION_BYTES,
     MAX_TOPIC_BYTES,
     VERSION,
+    WANT_PREFIX,
     Limits,
     Message,
     TensorFrame,
     check_size,
     topic_prefix,
+    want_prefix,
 )
 
 __all__ = [
     "BURST_PREFIX",
     "BURST_TOPIC",
+    "BURSTS_OF_TOPICS",
     "DEFAULT_LIMITS",
     "HEARTBEAT_TOPIC",
     "MAX_SUBSCRIPTION_BYTES",
     "MAX_TOPIC_BYTES",
     "VERSION",
+    "WANT_PREFIX",
     "EventEncoder",
     "Limits",
     "Message",
@@ -66,4 +71,5 @@ __all__ = [
     "request_socket_cap",
     "split_envelope",
     "topic_prefix",
+    "want_prefix",
 ]

@@ -33,8 +33,8 @@ import ormsgpack
 from offloop.bus.errors import WireError
 from offloop.bus.wire.bursts import BurstEncoding
 from offloop.bus.wire.values import (
-    BURST_PREFIX,
     BURST_TOPIC,
+    BURSTS_OF_TOPICS,
     DEFAULT_LIMITS,
     HEARTBEAT_TOPIC,
     TENSOR_EXT,
@@ -80,7 +80,7 @@ class EventEncoder(BurstEncoding):
         self._constant = b"\x9a" + constant[1:]
         self._prefixes: dict[str, bytes] = {}
         # fixarray header of 8 entries, then the 5 constant fields; burst() packs the other 3
-        self._burst_head = (BURST_PREFIX + b"\x98"
+        self._burst_head = (BURSTS_OF_TOPICS
                             + msgpack.packb([VERSION, "bu", run, pub, rank])[1:])
 
     def _default(self, value: Any) -> Any:

@@ -18,6 +18,13 @@ VERSION = 2
 HEARTBEAT_TOPIC = "_hb"
 BURST_TOPIC = "_burst"
 BURST_PREFIX = b"_burst\0"
+#: how a subscriber of named topics takes them in bursts (docs/protocol.md): it subscribes
+#: to BURSTS_OF_TOPICS, with which every burst's frame 0 starts (the version 2 header, an
+#: array of 8), and to `want_prefix(topic)` for each topic, a prefix no message starts with
+#: (topics starting with "_" are reserved) that tells the publisher to hold the topic for
+#: its bursts without sending it as messages of their own
+BURSTS_OF_TOPICS = BURST_PREFIX + b"\x98"
+WANT_PREFIX = b"_want\0"
 #: the longest topic, in UTF-8 bytes: a subscription names at most one topic, and each
 #: byte of a prefix costs memory in every socket's subscription trie
 MAX_TOPIC_BYTES = 255
@@ -71,6 +78,12 @@ def topic_prefix(topic: str) -> bytes:
         raise WireError(f"topic {topic[:40]!r}... is {len(encoded)} bytes long, over "
                         f"{MAX_TOPIC_BYTES}")
     return encoded + b"\0"
+
+
+def want_prefix(topic: str) -> bytes:
+    """The bytes a SUB socket subscribes to for this topic's events in bursts (beside
+    BURSTS_OF_TOPICS)."""
+    return WANT_PREFIX + topic_prefix(topic)
 
 
 # --------------------------------------------------------------------- tensors

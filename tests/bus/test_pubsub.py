@@ -19,7 +19,7 @@ from helpers.wire_values import deepest_alone, nested
 
 from offloop.bus import Publisher, PublisherSilent, Subscriber, WireError
 from offloop.bus.publisher import HOLD_AT_MOST
-from offloop.bus.wire import EventEncoder
+from offloop.bus.wire import EventEncoder, decode_event
 from offloop.bus.wire.values import BURST_PREFIX
 
 
@@ -60,14 +60,14 @@ def more_than_the_sockets_hold() -> int:
 
 @contextlib.contextmanager
 def every_and_one(publisher, topic):
-    """Two joined subscribers: one of everything (bursts), one of `topic` alone (its own
-    messages), once the publisher has seen both subscriptions."""
+    """Two joined subscribers: one of everything, one of `topic` alone (both take bursts),
+    once the publisher has seen both subscriptions."""
     with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"], settle=0.2) as every, \
             Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
                        topics=[topic], settle=0.2) as one:
         every.connect()
         one.connect()
-        wait_until(lambda: publisher.interest.bursts and topic in publisher.interest.single)
+        wait_until(lambda: publisher.interest.everything and topic in publisher.interest.in_bursts)
         yield every, one
 
 
@@ -107,6 +107,46 @@ def test_events_nobody_subscribes_to_are_not_serialized(publisher):
     wait_until(lambda: publisher.wants("after_loss"), what="subscription to reach the publisher")
     sub.close()
     wait_until(lambda: not publisher.wants("after_loss"), what="unsubscription")
+
+
+def test_a_subscriber_of_some_topics_takes_them_in_bursts_and_a_topics_own_prefix_its_messages(
+        publisher):
+    """A Subscriber of named topics subscribes to bursts and marks its topics wanted (one
+    message a release, whatever it holds); a SUB socket of a topic's own prefix still gets
+    that topic's events as messages of their own (docs/protocol.md). Neither makes every
+    topic wanted."""
+    raw = zmq.Context.instance().socket(zmq.SUB)
+    raw.linger, raw.rcvtimeo = 0, 5000
+    raw.subscribe(b"after_loss\0")
+    raw.connect(publisher.endpoints["events"])
+    try:
+        with Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
+                        topics=["after_backward"], settle=0.2) as sub:
+            sub.connect()
+            interest = publisher.interest
+            wait_until(lambda: "after_backward" in interest.in_bursts and "after_loss" in interest.single,
+                       what="both subscriptions to reach the publisher")
+            assert interest.bursts and not interest.everything
+            assert "after_backward" not in interest.single and not publisher.wants("before_forward")
+            publisher.hold(interval=60.0)
+            for i in range(1, 4):
+                assert publisher.publish("before_forward", (0, i, i, i, 0), {"i": i}) is False
+                publisher.publish("after_loss", (0, i, i, i, 0), {"i": i})
+                publisher.publish("after_backward", (0, i, i, i, 0), {"i": i})
+            publisher.release()
+            got = [sub.recv(timeout=5) for _ in range(3)]
+            # from the burst that held both topics, only its own, numbered by topic
+            assert [(m.topic, m.tseq, m.data["i"], m.raw) for m in got] == [
+                ("after_backward", i, i, None) for i in range(1, 4)]
+            singles = [decode_event([raw.recv()]) for _ in range(3)]
+            assert [(m.topic, m.tseq, m.data["i"]) for m in singles] == [("after_loss", i, i) for i in range(1, 4)]
+            assert receive_through_heartbeats(sub) == [[]]
+            assert sub.stats.gaps == 0 and sub.stats.received == 3
+        wait_until(lambda: "after_backward" not in publisher.interest.in_bursts, what="unsubscription")
+        assert not publisher.wants("after_backward") and publisher.wants("after_loss")
+    finally:
+        raw.close()
+        publisher.release(stop_holding=True)
 
 
 def test_subscribing_to_everything_wants_every_event(publisher):
@@ -460,7 +500,8 @@ def test_held_events_of_a_stalled_loop_leave_on_their_own_and_bursts_reach_subsc
         assert [m.data["t"].to_torch().tolist() for m in got if m.topic == "batch_end"] == [
             [0], [0, 1], [0, 1, 2]]
         mine = [one.recv(timeout=10) for _ in range(3)]
-        assert [m.data["i"] for m in mine] == [1, 2, 3] and all(m.raw for m in mine)
+        # the same bursts: the subscriber of one topic keeps that topic's events
+        assert [m.data["i"] for m in mine] == [1, 2, 3] and all(m.raw is None for m in mine)
         # heartbeats after the burst: nothing counted lost, nothing twice, nothing more
         assert receive_through_heartbeats(every, one) == [[], []]
         assert every.stats.gaps == one.stats.gaps == 0
@@ -586,13 +627,17 @@ def test_reserved_topics_are_refused_and_unencodable_held_events_are_counted_not
 def test_an_event_member_is_published_under_its_topic(publisher):
     from offloop.bus import Event
 
-    sub = Subscriber(publisher.endpoints["events"], publisher.endpoints["state"],
-                     topics=["batch_end"], settle=0.05)
-    sub.connect()
-    assert publisher.wants(Event.BATCH_END) and publisher.publish(Event.BATCH_END, (0, 1, 1, 1, 0), {"loss": 1.0})
-    msg = sub.recv(timeout=2)
-    assert msg is not None and type(msg.topic) is str and msg.topic == "batch_end" and msg.data == {"loss": 1.0}
-    sub.close()
+    with every_and_one(publisher, "batch_end") as subs:
+        assert publisher.wants(Event.BATCH_END)
+        assert publisher.publish(Event.BATCH_END, (0, 1, 1, 1, 0), {"loss": 1.0})  # sent now
+        publisher.hold(interval=60.0)
+        assert publisher.publish(Event.BATCH_END, (0, 2, 2, 2, 0), {"loss": 2.0})  # held: in a burst
+        publisher.release(stop_holding=True)
+        for sub in subs:
+            got = [sub.recv(timeout=2) for _ in range(2)]
+            assert [(type(m.topic), m.topic, m.tseq, m.data) for m in got] == [
+                (str, "batch_end", i, {"loss": float(i)}) for i in (1, 2)]
+        assert publisher.stats.unencodable == 0 and publisher.topic_seq("batch_end") == 2
 
 
 # -------------------- guarantees at their edges --------------------

@@ -156,7 +156,7 @@ def test_a_monitor_that_stops_reading_counts_exactly_what_the_relays_queue_dropp
         with a_relay(run_dir, tmp_path / "announced", "--subscriber-hwm", "50") as (relay, relayed):
             with Subscriber(relayed.endpoints["events"], topics=["pad"], rcvhwm=10, settle=0.3) as slow:
                 slow.connect(join_timeout=10)
-                wait_until(lambda: "pad" in pub.interest.single, 10, "the subscription to reach the trainer")
+                wait_until(lambda: "pad" in pub.interest.in_bursts, 10, "the subscription to reach the trainer")
                 pad = b"x" * (64 << 10)
                 for i in range(3000):  # far more than the relay's queue, both TCP buffers and ours
                     pub.publish("pad", (0, i, i, i, 0), {"pad": pad})

@@ -134,10 +134,12 @@ MONITOR_TOPICS = {  # what each probe's worker takes: its callback's topics and 
 def test_a_partitioned_monitor_reports_counts_resyncs_and_its_halt_after_the_heal_applies_once(
         hosts, tmp_path, probe_class, pace):
     """quiet: a batch_end every 20 ms, which the queues hold through the partition; flood: a
-    dozen topics a batch every 5 ms, more than the trainer's queue for the monitor holds."""
+    dozen topics a batch every 5 ms, a burst each, more than the trainer's queue for the
+    monitor holds (20 messages: the default's 10 000 bursts would hold a partition this long)."""
     net, keys = hosts, tmp_path / "keys"
     make_keys(keys)
-    trainer, started, go = start_trainer(net, tmp_path, keys, 100_000, pace)  # ends by the monitor's halt
+    flood = {"--subscriber-hwm": 20, "--burst-interval": 0} if probe_class == "FloodProbe" else {}
+    trainer, started, go = start_trainer(net, tmp_path, keys, 100_000, pace, **flood)  # ends by the monitor's halt
     endpoints = started["endpoints"]
     assert endpoints["events"].startswith(f"tcp://{net.addr['trainer']}:")
     trigger = tmp_path / "halt-now"

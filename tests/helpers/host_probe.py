@@ -35,8 +35,8 @@ class HostProbe(Callback):
 
 
 class FloodProbe(HostProbe):
-    """A HostProbe that also takes every per-batch event of the loop, each topic on its own
-    (a dozen messages a batch): a partition then overflows its queue at the trainer."""
+    """A HostProbe that also takes every per-batch event of the loop (a dozen a batch): with
+    a short queue at the trainer, a partition overflows it."""
 
     state_topics = frozenset({
         "before_dataloader", "after_dataloader", "batch_start", "before_train_batch", "before_forward",

@@ -47,6 +47,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, required=True)
     parser.add_argument("--batch-seconds", type=float, default=0.02)
     parser.add_argument("--exporter-port", type=int)
+    # the trainer's queue for each subscriber, in messages, and its burst interval: a queue a
+    # partition overflows
+    parser.add_argument("--subscriber-hwm", type=int)
+    parser.add_argument("--burst-interval", type=float, default=0.005)
     args = parser.parse_args()
 
     out = os.fdopen(os.dup(1), "w")  # this script's JSON lines; the workers' prints go to stderr
@@ -56,10 +60,14 @@ def main() -> None:
         from offloop.callbacks import PrometheusExporter
 
         callbacks.append(PrometheusExporter(port=args.exporter_port, addr=args.host, targets_dir=None))
+    if args.subscriber_hwm:
+        from offloop.bus.publisher import Publisher
+
+        Publisher.__init__.__kwdefaults__["subscriber_hwm"] = args.subscriber_hwm
     data = Paced(args.batches, args.batch_seconds)
     trainer = Trainer(nn.Linear(8, 2), data, f"{args.batches}ba", loss_fn=nn.functional.cross_entropy,
                       run_dir=args.run_dir, host=args.host, keys=args.keys, heartbeat_interval=0.2,
-                      callbacks=callbacks, progress_bar=False)
+                      callbacks=callbacks, progress_bar=False, burst_interval=args.burst_interval)
     endpoints = {**trainer.publisher.endpoints, "control": trainer.control.endpoint}
     print(json.dumps({"pid": os.getpid(), "run_name": trainer.run_name, "endpoints": endpoints}),
           file=out, flush=True)
