@@ -4,16 +4,16 @@ A child process runs a publisher (tests/programs/streaming_publisher.py: a batch
 millisecond); beside one subscriber of `batch_end`, one SUB socket (sndhwm 0, so every
 prefix leaves) sends `--count` distinct prefixes of `--length` bytes, and sends them all
 again whenever libzmq reconnects it. After `--hold` seconds the publisher's peak RSS
-(`VmHWM`) is read; then the flooding socket leaves and its RSS is read again. The
-publisher caps subscriptions by connection, as every run does (bus/subscription_cap.py);
-with `--uncapped` it runs libzmq's proxy instead (`Publisher(cap_subscriptions=False)`).
+(`VmHWM`) is read; then the flooding socket leaves and its RSS is read again. With
+`--capped` the publisher caps subscriptions by connection, as a run with keys does
+(bus/subscription_cap.py); without it, as a run without keys.
 
   peak_growth_mib    the publisher's peak RSS over its RSS before the flood (target < 64)
   after_left_mib     its RSS 3 s after the flooding socket closed, over the same
   received           batch_end events the other subscriber got meanwhile (a cut would show)
 
 Prints one JSON object. Usage:
-    python benchmarks/subscription_flood.py --count 1500 --length 4000 [--uncapped]
+    python benchmarks/subscription_flood.py --count 1500 --length 4000 [--capped]
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=1500)
     parser.add_argument("--length", type=int, default=4000)
     parser.add_argument("--hold", type=float, default=3.0)
-    parser.add_argument("--uncapped", action="store_true", help="libzmq's proxy: subscriptions not capped")
+    parser.add_argument("--capped", action="store_true", help="subscriptions capped, as with keys")
     args = parser.parse_args()
     if args.length < 7 or args.count < 1:
         parser.error("--length must be at least 7 bytes and --count at least 1")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     child = subprocess.Popen([sys.executable, str(ROOT / "tests/programs/streaming_publisher.py"),
-                              str(args.hold + 30), *(["uncapped"] if args.uncapped else [])],
+                              str(args.hold + 30), *(["capped"] if args.capped else [])],
                              stdout=subprocess.PIPE, env=env, text=True)
     ctx = zmq.Context()
     try:
@@ -73,7 +73,7 @@ def main() -> None:
         child.kill()
         child.wait(timeout=10)
         ctx.term()
-    print(json.dumps({"count": args.count, "length": args.length, "capped": not args.uncapped,
+    print(json.dumps({"count": args.count, "length": args.length, "capped": args.capped,
                       "rss_before_mib": round(before, 1),
                       "peak_growth_mib": round(peak - before, 1),
                       "after_left_mib": round(after - before, 1), "received": received}))

@@ -2,14 +2,14 @@
 XPUB and subscriptions the other way; stopped and started again around a cut. The
 trainer's publisher and `offloop relay` both run it, in one of two ways:
 
-- with subscriptions capped (always, unless the publisher is told `cap_subscriptions=
-  False`): the public socket is in ZMQ_XPUB_MANUAL mode, so libzmq files a subscription
-  only when this thread says so, after `SubscriptionCap` has counted it against the
-  connection that sent it (its descriptor comes with the message). libzmq's proxy cannot
-  tell which peer sent what, so this loop is Python's: it costs the process several times
-  the CPU a message that libzmq's does, with the GIL, which is affordable because a
-  release is one message whoever subscribes (docs/benchmarks.md, docs/reliability.md);
-- libzmq's proxy, in C without the GIL, with `cap_subscriptions=False`: no cap.
+- libzmq's proxy, in C without the GIL (a run without keys: every local account may
+  already halt it, so it trusts its peers with subscriptions too);
+- with subscriptions capped (a run with keys, where a monitor key is trusted with less):
+  the public socket is in ZMQ_XPUB_MANUAL mode, so libzmq files a subscription only when
+  this thread says so, after `SubscriptionCap` has counted it against the connection that
+  sent it (its descriptor comes with the message). libzmq's proxy cannot tell which peer
+  sent what, so this loop is Python's, and costs the process several times the CPU a
+  burst that libzmq's does, with the GIL (docs/benchmarks.md, docs/reliability.md).
 
 A cut unbinds the public socket (closing every connection made through its endpoint)
 and binds the same port again: libzmq checks a CURVE key only at the handshake and
@@ -93,16 +93,19 @@ def _forward_capped(front: zmq.Socket, back: zmq.Socket, control: zmq.Socket,
 
 
 def _events(front: zmq.Socket, back: zmq.Socket) -> None:
-    """One events message, forwarded without a copy (a tracked one completes once every
-    subscriber's connection has it, as through libzmq's proxy). One a poll: a wake
-    usually finds one burst, and a receive that finds none raises, which costs more than
-    polling again. Frame by frame: recv_multipart's list costs more than the forwarding."""
+    """Every events message waiting, forwarded without a copy (a tracked one completes
+    once every subscriber's connection has it, as through libzmq's proxy). Frame by
+    frame: recv_multipart's list and loop cost more than the forwarding itself."""
     recv, send = front.recv, back.send
-    frame = recv(copy=False)
-    while frame.more:  # a message of several frames (tensors) leaves whole, in order
-        send(frame, zmq.SNDMORE, copy=False)
-        frame = recv(copy=False)
-    send(frame, copy=False)
+    while True:
+        try:
+            frame = recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        while frame.more:  # a message of several frames (tensors) leaves whole, in order
+            send(frame, zmq.SNDMORE, copy=False)
+            frame = recv(copy=False)
+        send(frame, copy=False)
 
 
 def _connections(connections: ConnectionCap, ledger: SubscriptionCap, front: zmq.Socket) -> None:

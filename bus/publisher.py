@@ -72,7 +72,7 @@ class Publisher:
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
         curve=None,
-        cap_subscriptions: bool = True,
+        cap_subscriptions: bool | None = None,
     ) -> None:
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")

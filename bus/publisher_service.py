@@ -43,7 +43,7 @@ class PublisherService:
 
     def __init__(self, *, interest: Interest, held: HeldEvents, outbox: Outbox,
                  stats: PublisherStats, encoder: EventEncoder, limits: Limits, curve,
-                 release, release_locked, capped: bool = True) -> None:
+                 release, release_locked, capped: bool | None = None) -> None:
         self.interest, self.held, self.outbox, self.stats = interest, held, outbox, stats
         self.late_join = LateJoin(encoder, interest, held, outbox.lock, stats, limits, curve,
                                   release_locked, self.track, self.beat)
@@ -53,8 +53,10 @@ class PublisherService:
         self._revocation: RevocationCut | None = None
         self._threads: list[threading.Thread] = []
         self._caps: dict[str, ConnectionCap] = {}
-        # subscriptions capped by connection (events_proxy), the proxy thread's alone; None
-        # (`capped=False`): libzmq's proxy, no cap
+        # subscriptions capped by connection: by default with keys, where a monitor key is
+        # trusted with less than the run (events_proxy). The proxy thread's alone; None:
+        # libzmq's proxy, no cap
+        capped = curve is not None if capped is None else capped
         self._subscriptions = SubscriptionCap() if capped else None
 
     def start(self, ctx: zmq.Context, inproc: str, host: str, events_port: int,

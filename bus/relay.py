@@ -116,11 +116,12 @@ class Relay:
         self._threads: list[threading.Thread] = []
         self._revocation: RevocationCut | None = None
         self._caps: dict[str, ConnectionCap] = {}
-        # capped as the trainer's (events_proxy): the events thread's alone; no more
+        # with keys, as the trainer's (events_proxy): the events thread's alone; no more
         # distinct prefixes than the trainer lets one connection have, so that the relay's
         # own connection is never cut for its monitors' sake, and half of them a monitor,
         # so that one alone cannot take them all
-        self._subscriptions = SubscriptionCap(per_peer=PER_PEER // 2, total=PER_PEER)
+        self._subscriptions = (SubscriptionCap(per_peer=PER_PEER // 2, total=PER_PEER)
+                               if keys is not None else None)
 
     # ------------------------------------------------------------ set-up
 
@@ -134,7 +135,7 @@ class Relay:
                                       maxmsgsize=self.limits.max_message_bytes)
         back = self._public_socket(zmq.XPUB, "events", RELAY_EVENTS_CONNECTIONS,
                                    sndhwm=self.subscriber_hwm, maxmsgsize=MAX_SUBSCRIPTION_BYTES,
-                                   **CAPPED_OPTIONS)
+                                   **(CAPPED_OPTIONS if self._subscriptions is not None else {}))
         proxy_ctl = ctx.socket(zmq.PAIR)
         proxy_ctl.bind(self._inproc + "-proxy")
         self._proxy_ctl = ctx.socket(zmq.PAIR)
@@ -206,9 +207,10 @@ class Relay:
             routes[dealer] = (name, public)
         poller.register(beats, zmq.POLLIN)
         poller.register(stop, zmq.POLLIN)
-        # the events socket's monitor is the events thread's (it files subscriptions by
-        # connection)
-        requests = [cap for name, cap in self._caps.items() if name != "events"]
+        # with keys the events socket's monitor is the events thread's (it files subscriptions
+        # by connection)
+        requests = [cap for name, cap in self._caps.items()
+                    if name != "events" or self._subscriptions is None]
         monitors = {cap.monitor: cap for cap in requests}
         for monitor in monitors:
             poller.register(monitor, zmq.POLLIN)
@@ -224,7 +226,8 @@ class Relay:
                     for cap in requests:
                         cap.take()
                 self.stats.connections_cut = sum(cap.cut for cap in self._caps.values())
-                self.stats.subscriptions_refused = self._subscriptions.refused
+                if self._subscriptions is not None:
+                    self.stats.subscriptions_refused = self._subscriptions.refused
                 for sock in ready:
                     if sock in routes:
                         name, other = routes[sock]

@@ -1,6 +1,6 @@
 """Publishes a run: config, one epoch_start, then a batch_end every millisecond; prints its
 endpoints, then {"published": 100} once the 100th batch_end is out. Arguments: the seconds
-it publishes (30), and `uncapped` for libzmq's proxy, subscriptions not capped."""
+it publishes (30), and `capped` for subscriptions capped as a run with keys has them."""
 
 import json
 import sys
@@ -8,7 +8,7 @@ import time
 
 from offloop.bus import Publisher
 
-pub = Publisher("late-join-run", heartbeat_interval=0.2, cap_subscriptions="uncapped" not in sys.argv[2:])
+pub = Publisher("late-join-run", heartbeat_interval=0.2, cap_subscriptions="capped" in sys.argv[2:])
 endpoints = pub.start()
 pub.set_config({"model": "mlp", "lr": 0.01, "max_duration": "1ep"})
 pub.publish("epoch_start", (0, 0, 0, 0, 0), {"note": "sent once, long before anyone joins"})
