@@ -91,10 +91,11 @@ class Interest:
         subscriptions = tuple(self._subscriptions)
         # b"", b"_", ... b"_burst\0" select bursts: every event, one message per burst
         everything = any(BURST_PREFIX.startswith(p) for p in subscriptions)
-        # BURSTS_OF_TOPICS selects bursts too, holding the topics named by WANT_PREFIX
-        in_bursts = _topics_for(p[len(WANT_PREFIX):] for p in subscriptions
-                                if p.startswith(WANT_PREFIX) and p.endswith(b"\0"))
+        # BURSTS_OF_TOPICS selects bursts too, holding the topics named by WANT_PREFIX (none
+        # while no bursts are sent: no one would get them)
         bursts = everything or BURSTS_OF_TOPICS in subscriptions
+        in_bursts = _topics_for(p[len(WANT_PREFIX):] for p in subscriptions
+                                if bursts and p.startswith(WANT_PREFIX) and p.endswith(b"\0"))
         per_topic = [p for p in subscriptions if p != _HB_PREFIX and p != BURSTS_OF_TOPICS
                      and not BURST_PREFIX.startswith(p) and not p.startswith(WANT_PREFIX)]
         prefixes = tuple(p.decode(errors="replace") for p in per_topic if not p.endswith(b"\0"))
@@ -103,7 +104,7 @@ class Interest:
             single = _topics_for(per_topic)
             if prefixes:
                 single |= {t for t in seen if t.startswith(prefixes)}
-            wanted = self.retained | single | (in_bursts if bursts else frozenset())
+            wanted = self.retained | single | in_bursts
             if everything:
                 wanted |= frozenset(RUN_TOPICS) | frozenset(seen)
             self.single, self._single_prefixes = frozenset(single), prefixes
@@ -125,7 +126,7 @@ class Interest:
         """Whether a joiner's topics (None: everything, as bursts) are sent now."""
         if topics is None:
             return self.everything
-        return self.single.union(self.in_bursts if self.bursts else ()).issuperset(topics)
+        return self.single.union(self.in_bursts).issuperset(topics)
 
 
 def check_topic(topic: str) -> None:
