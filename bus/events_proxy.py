@@ -35,10 +35,15 @@ _SUBSCRIBE, _UNSUBSCRIBE = 1, 0
 #: the public socket's ZMQ_RCVHWM: messages of a connection libzmq reads ahead of this
 #: thread. In manual mode libzmq still records every subscription it reads (to undo them
 #: when the peer leaves), so a peer past its cap must be cut before libzmq has read much
-#: more: with libzmq's default, a whole flood was recorded first (docs/reliability.md)
-SUBSCRIPTIONS_AHEAD = 16
+#: more (docs/reliability.md). Not 1: with keys the pipe also holds the peer's credential,
+#: which libzmq skips without counting it read, so at 1 a connection with keys stalls
+SUBSCRIPTIONS_AHEAD = 2
+#: the public socket's SO_RCVBUF in bytes (Linux doubles it): what a connection that was
+#: cut still has in the kernel, which libzmq reads (and records) before it sees the end;
+#: autotuned, that buffer grew to megabytes. Subscriptions are all that comes this way
+RECEIVE_BUFFER = 4096
 #: the public XPUB's options where run_events_proxy caps subscriptions, set before it binds
-CAPPED_OPTIONS = {"xpub_manual": 1, "rcvhwm": SUBSCRIPTIONS_AHEAD}
+CAPPED_OPTIONS = {"xpub_manual": 1, "rcvhwm": SUBSCRIPTIONS_AHEAD, "rcvbuf": RECEIVE_BUFFER}
 
 
 def run_events_proxy(front: zmq.Socket, back: zmq.Socket, control: zmq.Socket,
