@@ -27,6 +27,7 @@ HOLD_AT_MOST = 256
 #: many the releasing thread folds them itself
 FOLD_AT_MOST = 64
 _TOPIC = itemgetter(0)  # a held entry's topic
+_PLAIN = {str}  # the type of every topic a burst may carry as a map key (a set: checked in C)
 _NO_TS = object()  # no held entry has this ts: the first one appended always carries its own
 
 
@@ -112,7 +113,7 @@ class HeldEvents:
         # counted in one C pass: list.count per topic is quadratic in a burst of many steps
         tseq, first, counts = self.tseq, {}, {}
         _count_elements(counts, map(_TOPIC, held))
-        if not all(type(topic) is str for topic in counts):  # an Event: no map key for the packer
+        if {*map(type, counts)} != _PLAIN:  # an Event: no map key for the packer
             held[:] = [(str(entry[0]), *entry[1:]) for entry in held]
             counts = {}
             _count_elements(counts, map(_TOPIC, held))
