@@ -95,7 +95,8 @@ class Interest:
         # while no bursts are sent: no one would get them)
         bursts = everything or BURSTS_OF_TOPICS in subscriptions
         in_bursts = _topics_for(p[len(WANT_PREFIX):] for p in subscriptions
-                                if bursts and p.startswith(WANT_PREFIX) and p.endswith(b"\0"))
+                                if p.startswith(WANT_PREFIX) and p.endswith(b"\0")) \
+            if bursts else frozenset()
         per_topic = [p for p in subscriptions if p != _HB_PREFIX and p != BURSTS_OF_TOPICS
                      and not BURST_PREFIX.startswith(p) and not p.startswith(WANT_PREFIX)]
         prefixes = tuple(p.decode(errors="replace") for p in per_topic if not p.endswith(b"\0"))
