@@ -55,9 +55,12 @@ class MemoryLog(LoggerDestination):
 
 def run_with_worker(callbacks: list, tmp_path: Path, *, max_duration: str = "3ep",
                     destinations: list | None = None, worker_kw: dict | None = None,
-                    **trainer_kw) -> tuple[Trainer, CallbackRuntime]:
+                    answer_late: bool = True, **trainer_kw) -> tuple[Trainer, CallbackRuntime]:
     """Train a small classifier while a CallbackRuntime runs `callbacks`; returns both after the
-    worker has handled fit_end and closed its callbacks."""
+    worker has handled fit_end and closed its callbacks. With `answer_late`, the trainer answers
+    the worker's requests that come after fit() returned while it waits for the worker, as
+    close() does for its own workers; without, they wait for close(), after the worker is done
+    (a trainer busy with something else after its fit)."""
     kw: dict[str, Any] = {
         "loss_fn": torch.nn.functional.cross_entropy,
         "eval_dataloader": DataLoader(dataset(32, seed=2), batch_size=16),
@@ -77,7 +80,12 @@ def run_with_worker(callbacks: list, tmp_path: Path, *, max_duration: str = "3ep
     try:
         trainer.fit()
     finally:
-        thread.join(timeout=60)
+        # a worker lags on a busy machine: its requests may come after fit() returned
+        deadline = time.monotonic() + 60
+        while thread.is_alive() and time.monotonic() < deadline:
+            if answer_late:
+                trainer.services.control.answer_late(trainer.timestamp)
+            thread.join(timeout=0.02)
         trainer.close()
     assert not thread.is_alive(), "worker did not finish after fit_end"
     assert codes == [0], f"worker exited with {codes}: {worker.exit_message}"

@@ -105,13 +105,15 @@ def test_export_on_checkpoint_uses_the_announced_checkpoint_and_published_sample
 
 
 def test_fit_end_falls_back_to_the_newest_checkpoint_when_none_can_be_had(tmp_path):
-    """An attached worker's request after the run is not answered: it says so and exports
-    the newest checkpoint the trainer announced."""
+    """An attached worker's request after the run is not answered (the trainer does something
+    else after its fit, close() comes later): it says so and exports the newest checkpoint the
+    trainer announced."""
     log = MemoryLog()
     probe = CheckpointAt(batch=16)
     export = ExportForInferenceCallback("torchscript", str(tmp_path / "model.ts"), classifier)
     export.control_timeout = 1.0
-    run_with_worker([probe, export], tmp_path, destinations=[log], train_dataloader=Slow())
+    run_with_worker([probe, export], tmp_path, destinations=[log], train_dataloader=Slow(),
+                    answer_late=False)
 
     assert [e["checkpoint"] for e in export.exported] == [probe.ack.result["path"]]
     assert any("exporting the newest one" in t for t in log.texts), log.texts

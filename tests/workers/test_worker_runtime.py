@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from helpers.harness import MemoryLog, run_with_worker
 from helpers.waiting import wait_for_file
 
 from offloop.bus import ReadOnlyError
+from offloop.trainer import Trainer
 from offloop.workers import Callback, CallbackRuntime, ReadOnlyStateError
 from offloop.workers.spec import SpecError, build_callback, parse_spec
 
@@ -89,6 +91,40 @@ def test_failing_callback_can_be_kept(tmp_path, capsys):
     run_with_worker([boom], tmp_path, max_duration="3ba", worker_kw={"disable_on_error": False})
     assert boom.calls == 3 and boom.closed
     assert capsys.readouterr().err.count("raised on event batch_end (kept") == 3
+
+
+class LateAsker(Callback):
+    """Asks for a checkpoint at the first epoch's end only once the trainer's fit() has
+    returned: a worker that fell that far behind on a busy machine."""
+
+    control_timeout = 10.0
+
+    def __init__(self, fit_returned):
+        self.fit_returned, self.ack = fit_returned, None
+
+    def epoch_end(self, state, logger):
+        if self.ack is None:
+            assert self.fit_returned.wait(30)
+            self.ack = self.request_checkpoint("late")
+
+
+def test_a_request_a_worker_sends_after_the_fit_returned_is_answered_while_it_finishes(
+        tmp_path, monkeypatch):
+    # what close() does for the Trainer's own workers, the harness does for its worker: a
+    # checkpoint asked for after fit() returned is written of the final weights and acked
+    fit_returned = threading.Event()
+    fit = Trainer.fit
+
+    def fit_then_say_so(self, **kw):
+        fit(self, **kw)
+        fit_returned.set()
+
+    monkeypatch.setattr(Trainer, "fit", fit_then_say_so)
+    asker = LateAsker(fit_returned)
+    trainer, worker = run_with_worker([asker], tmp_path, max_duration="3ep")
+    assert asker.ack is not None and asker.ack.ok, asker.ack
+    assert asker.ack.result["step"] == trainer.timestamp.batch == 24
+    assert trainer.checkpoints == [asker.ack.result["path"]] and worker.stats.errors == 0
 
 
 def test_state_is_read_only_with_a_clear_error(tmp_path):
