@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import zmq
 
-__all__ = ["ConnectionCap", "MAX_CONNECTIONS"]
+__all__ = ["ConnectionCap", "MAX_CONNECTIONS", "bytes_received"]
 
 #: connections at once on each of a run's sockets (a run's workers, monitors and clients
 #: need a few dozen; a relay fans out to more)
@@ -30,6 +30,9 @@ MAX_CONNECTIONS = 128
 #: seconds between looks at whether the connections counted are all still open, while
 #: the cap is reached (a look costs a few system calls a connection)
 _RECOUNT = 1.0
+#: struct tcp_info (linux/tcp.h): where tcpi_bytes_received lies, a u64 (Linux 4.1 on)
+_BYTES_RECEIVED = struct.Struct("=Q")
+_BYTES_RECEIVED_AT = 128
 
 
 class ConnectionCap:
@@ -83,6 +86,13 @@ class ConnectionCap:
         closes it and says so on the monitor)."""
         _shut_down(fd, self.port)
 
+    def heaviest(self) -> int | None:
+        """The descriptor of the connection in force whose peer has sent the most bytes
+        (bytes_received; where the system gives no such figure, the highest descriptor),
+        or None when there is none."""
+        ranked = [((bytes_received(fd, self.port) or -1), fd) for fd in self.live]
+        return max(ranked)[1] if ranked else None
+
     def _recount(self, port: int | None) -> list[int]:
         """Forget any connection that ended unseen (the monitor's pipe loses no event, so
         this is a guard): at most once every _RECOUNT seconds, not at every connection cut.
@@ -134,6 +144,23 @@ def _connection(fd: int, port: int | None) -> socket.socket | None:
         pass
     conn.close()
     return None
+
+
+def bytes_received(fd: int, port: int | None) -> int | None:
+    """What the peer of the connection on `fd` (accepted on `port`) has sent it so far, by
+    the kernel's count (TCP_INFO), read or not; None where the system keeps no such count
+    or `fd` is no longer such a connection."""
+    conn = _connection(fd, port)
+    if conn is None or not hasattr(socket, "TCP_INFO"):
+        return None
+    with conn:
+        try:
+            info = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        except OSError:
+            return None
+    if len(info) < _BYTES_RECEIVED_AT + _BYTES_RECEIVED.size:  # a kernel before 4.1
+        return None
+    return _BYTES_RECEIVED.unpack_from(info, _BYTES_RECEIVED_AT)[0]
 
 
 def _accepted_on(fd: int, port: int | None) -> bool:

@@ -3,7 +3,8 @@ XPUB and subscriptions the other way; stopped and started again around a cut. Th
 trainer's publisher and `offloop relay` both run it, in one of two ways:
 
 - libzmq's proxy, in C without the GIL (a run without keys: every local account may
-  already halt it, so it trusts its peers with subscriptions too);
+  already halt it); the subscriptions in force are bounded by their number, from the
+  service thread (subscription_cap.FloodCut);
 - with subscriptions capped (a run with keys, where a monitor key is trusted with less):
   the public socket is in ZMQ_XPUB_MANUAL mode, so libzmq files a subscription only when
   this thread says so, after `SubscriptionCap` has counted it against the connection that
@@ -27,23 +28,26 @@ import zmq
 from offloop.bus.connection_cap import ConnectionCap
 from offloop.bus.subscription_cap import SubscriptionCap, Verdict
 
-__all__ = ["CAPPED_OPTIONS", "RevocationCut", "run_events_proxy"]
+__all__ = ["CAPPED_OPTIONS", "PUBLIC_OPTIONS", "RevocationCut", "run_events_proxy"]
 
 log = logging.getLogger("offloop.bus")
 
 _SUBSCRIBE, _UNSUBSCRIBE = 1, 0
-#: the public socket's ZMQ_RCVHWM: messages of a connection libzmq reads ahead of this
-#: thread. In manual mode libzmq still records every subscription it reads (to undo them
-#: when the peer leaves), so a peer past its cap must be cut before libzmq has read much
-#: more (docs/reliability.md). Not 1: with keys the pipe also holds the peer's credential,
+#: the public socket's ZMQ_RCVHWM: messages of a connection libzmq reads ahead of the
+#: thread that judges them (this one where capped, else the service thread's count). libzmq
+#: records every subscription it reads (in manual mode too, to undo them when the peer
+#: leaves), so a peer past its cap must be cut before libzmq has read much more
+#: (docs/reliability.md). Not 1: with keys the pipe also holds the peer's credential,
 #: which libzmq skips without counting it read, so at 1 a connection with keys stalls
 SUBSCRIPTIONS_AHEAD = 2
 #: the public socket's SO_RCVBUF in bytes (Linux doubles it): what a connection that was
 #: cut still has in the kernel, which libzmq reads (and records) before it sees the end;
 #: autotuned, that buffer grew to megabytes. Subscriptions are all that comes this way
 RECEIVE_BUFFER = 4096
-#: the public XPUB's options where run_events_proxy caps subscriptions, set before it binds
-CAPPED_OPTIONS = {"xpub_manual": 1, "rcvhwm": SUBSCRIPTIONS_AHEAD, "rcvbuf": RECEIVE_BUFFER}
+#: a public XPUB's options, set before it binds; CAPPED_OPTIONS where run_events_proxy
+#: caps subscriptions
+PUBLIC_OPTIONS = {"rcvhwm": SUBSCRIPTIONS_AHEAD, "rcvbuf": RECEIVE_BUFFER}
+CAPPED_OPTIONS = {"xpub_manual": 1, **PUBLIC_OPTIONS}
 
 
 def run_events_proxy(front: zmq.Socket, back: zmq.Socket, control: zmq.Socket,

@@ -63,6 +63,11 @@ class Interest:
         # undo the other's half
         self._lock = threading.Lock()
 
+    @property
+    def in_force(self) -> int:
+        """Distinct SUB prefixes in force (service thread)."""
+        return len(self._subscriptions)
+
     def opens(self, topic: str) -> bool:
         """A topic outside RUN_TOPICS that an open prefix selects: wanted from now on.
         Raises WireError for a reserved or malformed topic (nothing else checks them:

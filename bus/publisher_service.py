@@ -14,14 +14,14 @@ from collections.abc import Callable
 import zmq
 
 from offloop.bus.connection_cap import ConnectionCap
-from offloop.bus.events_proxy import CAPPED_OPTIONS, RevocationCut, run_events_proxy
+from offloop.bus.events_proxy import CAPPED_OPTIONS, PUBLIC_OPTIONS, RevocationCut, run_events_proxy
 from offloop.bus.held import HeldEvents
 from offloop.bus.interest import Interest
 from offloop.bus.late_join import LateJoin
 from offloop.bus.outbox import Outbox
 from offloop.bus.publisher_stats import PublisherStats
 from offloop.bus.request_budget import RequestBudget
-from offloop.bus.subscription_cap import SubscriptionCap
+from offloop.bus.subscription_cap import FloodCut, SubscriptionCap
 from offloop.bus.wire import MAX_SUBSCRIPTION_BYTES, EventEncoder, Limits, request_socket_cap
 
 __all__ = ["PublisherService", "STALL_CHECK"]
@@ -58,21 +58,25 @@ class PublisherService:
         # libzmq's proxy, no cap
         capped = curve is not None if capped is None else capped
         self._subscriptions = SubscriptionCap() if capped else None
+        self._flood: FloodCut | None = None  # the bound where libzmq's proxy files them
 
     def start(self, ctx: zmq.Context, inproc: str, host: str, events_port: int,
               state_port: int, queue_size: int, subscriber_hwm: int) -> dict[str, str]:
         """Bind the public sockets, connect the outbox, start the proxy and service
         threads; the endpoints."""
-        front = _socket(ctx, zmq.XSUB, rcvhwm=1)
+        # sndhwm 0: no subscription passed upstream is lost (the watcher counts them)
+        front = _socket(ctx, zmq.XSUB, rcvhwm=1, sndhwm=0)
         front.bind(inproc)
         back = _socket(ctx, zmq.XPUB, sndhwm=subscriber_hwm, linger=0,
                        maxmsgsize=MAX_SUBSCRIPTION_BYTES,  # a longer one is no subscription
-                       **(CAPPED_OPTIONS if self._subscriptions is not None else {}))
+                       **(CAPPED_OPTIONS if self._subscriptions is not None else PUBLIC_OPTIONS))
         router = _socket(ctx, zmq.ROUTER, maxmsgsize=request_socket_cap(self.late_join.limits),
                          linger=0, rcvhwm=STATE_RCVHWM)
         # monitors before binding: every connection is seen (read here; the events socket's
         # by the proxy's thread where it files subscriptions by connection)
         self._caps = {"events": ConnectionCap(back), "state": ConnectionCap(router)}
+        if self._subscriptions is None:
+            self._flood = FloodCut(self._caps["events"])
         events = self._bind(back, host, events_port)
         state = self._bind(router, host, state_port)
         watcher = ctx.socket(zmq.XPUB)
@@ -153,9 +157,11 @@ class PublisherService:
 
     def track(self, watcher: zmq.Socket) -> None:
         """Take in the (un)subscriptions waiting at the watcher."""
-        interest = self.interest
+        interest, flood = self.interest, self._flood
         while watcher.poll(0):
             interest.change(watcher.recv())
+            if flood is not None:
+                flood.check(interest.in_force)
         interest.settle()
 
     def beat(self, final: bool = False) -> None:
@@ -197,6 +203,8 @@ class PublisherService:
         self.stats.events_connections_cut = self._caps["events"].cut
         if self._subscriptions is not None:
             self.stats.subscriptions_refused = self._subscriptions.refused
+        elif self._flood is not None:
+            self.stats.subscriptions_refused = self._flood.cut
         counts = self.stats.refusals()
         for source in self.refusal_sources:
             counts.update(source())
@@ -211,7 +219,9 @@ class PublisherService:
         """Connections to the state socket (and the events socket's, when this thread
         reads its monitor): past MAX_CONNECTIONS each, cut."""
         for cap in self._monitored():
-            cap.take()
+            _, closed = cap.take()
+            if self._flood is not None and cap is self._flood.connections:
+                self._flood.closed(closed)
         self.stats.state_connections_cut = self._caps["state"].cut
 
     def _cut_revoked(self) -> None:

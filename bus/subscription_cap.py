@@ -13,15 +13,24 @@ is cut (a monitor needs a handful, a relay one per topic in use); a subscription
 is refused and counted, its connection kept.
 
 The events proxy's thread owns one ledger and is its only caller.
+
+Without keys libzmq's own proxy files subscriptions, in C, and cannot say who sent which:
+`FloodCut` bounds them there by their number in force, cutting the connection that has
+sent the most (the service thread's, which counts them).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from enum import Enum
 
+from offloop.bus.connection_cap import ConnectionCap
 from offloop.bus.wire.values import MAX_TOPIC_BYTES, WANT_PREFIX
 
-__all__ = ["PER_PEER", "TOTAL", "SubscriptionCap", "Verdict"]
+__all__ = ["FloodCut", "PER_PEER", "TOTAL", "SubscriptionCap", "Verdict"]
+
+log = logging.getLogger("offloop.bus")
 
 #: distinct prefixes one connection may have filed at once (offloop has about 40 topics,
 #: and matches more than 64 open prefixes as one anyway: interest.py)
@@ -32,6 +41,12 @@ TOTAL = 512
 #: the longest prefix that can name a topic: the longest topic, the NUL that ends it, and
 #: the mark of a topic taken in bursts (wire.want_prefix)
 LONGEST_PREFIX = len(WANT_PREFIX) + MAX_TOPIC_BYTES + 1
+#: seconds after a FloodCut's cut before it cuts another connection: libzmq takes back
+#: what the first had filed meanwhile, and the count falls
+CUT_GAP = 0.1
+#: seconds past CUT_GAP a FloodCut waits for its last cut connection to close (it closes
+#: within milliseconds; a guard)
+_CLOSE_WAIT = 1.0
 
 
 class Verdict(Enum):
@@ -107,3 +122,45 @@ class SubscriptionCap:
             self._in_force[prefix] = left
         else:
             del self._in_force[prefix]
+
+
+class FloodCut:
+    """More than TOTAL distinct prefixes in force at a socket whose subscriptions libzmq's
+    own proxy files (a run without keys): the connection whose peer has sent the most
+    bytes is cut, subscriptions being all a peer sends that way
+    (`ConnectionCap.heaviest`), one connection at a time while the count stays over
+    (`CUT_GAP` after the last cut, once that one has closed). libzmq then takes back
+    everything it filed for that connection. A peer that floods is cut early in its flood
+    and each time it returns; peers within TOTAL are never touched. `check()` and
+    `closed()` come from the thread that reads the socket's monitor."""
+
+    def __init__(self, connections: ConnectionCap, total: int = TOTAL,
+                 gap: float = CUT_GAP) -> None:
+        self.connections, self.total, self.gap = connections, total, gap
+        self._cutting: int | None = None  # the last one cut's descriptor, until it closes
+        self._next = 0.0  # monotonic time from which another may be cut
+        #: connections cut for the subscriptions in force
+        self.cut = 0
+
+    def check(self, in_force: int) -> None:
+        """`in_force` distinct prefixes are filed now: past `total`, cut the heaviest."""
+        if in_force <= self.total:
+            return
+        now = time.monotonic()
+        if now < self._next or self._cutting is not None and now < self._next + _CLOSE_WAIT:
+            return
+        fd = self.connections.heaviest()
+        if fd is None:
+            return
+        self._cutting, self._next = fd, now + self.gap
+        self.cut += 1
+        if self.cut & (self.cut - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
+            log.warning("offloop: %d subscriptions in force on the events socket (more than %d): "
+                        "cut the connection that sent the most (%d connections cut so far)",
+                        in_force, self.total, self.cut)
+        self.connections.cut_off(fd)
+
+    def closed(self, fds: list[int]) -> None:
+        """These connections ended (a descriptor is reused once its connection ends)."""
+        if self._cutting in fds:
+            self._cutting = None

@@ -971,18 +971,21 @@ def test_the_state_and_events_sockets_keep_at_most_max_connections_each_and_coun
                 conn.close()
 
 
-def test_many_short_subscriptions_from_one_peer_cut_it_and_cost_the_publisher_little(spawn):
+@pytest.mark.parametrize("capped", [True, False], ids=["capped", "libzmq_proxy"])
+def test_many_short_subscriptions_from_one_peer_cut_it_and_cost_the_publisher_little(spawn, capped):
     # issue 44: prefixes within the length limit were not bounded in number: 20 000 of 256
     # bytes from one SUB socket took the publisher up by 632-748 MiB. With subscriptions
     # capped (a run with keys), each connection may file PER_PEER; one asking for more is
-    # cut (and counted), however often it returns
-    from offloop.bus.subscription_cap import PER_PEER
+    # cut (and counted), however often it returns. Without keys (libzmq's proxy files them)
+    # past TOTAL in force the connection that sent the most is cut
+    from offloop.bus.subscription_cap import PER_PEER, TOTAL
 
-    flood = _flood_beside_a_subscriber(spawn("streaming_publisher", 60, "capped"),
+    flood = _flood_beside_a_subscriber(spawn("streaming_publisher", 60, *(["capped"] if capped else [])),
                                        [b"%06d" % i + b"x" * 249 for i in range(20_000)])  # 255 bytes
     grown = flood["grown"]
-    report("many_short_subscriptions", peak_growth_mib=round(grown / 2**20, 1), received=flood["received"],
-           gaps=flood["gaps"], refused=flood["refused"], per_peer=PER_PEER)
+    report(f"many_short_subscriptions_{'capped' if capped else 'libzmq_proxy'}",
+           peak_growth_mib=round(grown / 2**20, 1), received=flood["received"],
+           gaps=flood["gaps"], refused=flood["refused"], per_peer=PER_PEER, total=TOTAL)
     assert grown < 64 << 20, f"the publisher grew by {grown / 2**20:.0f} MiB"
     assert flood["received"] > 100 and flood["gaps"] == 0, "the flood cost the other subscriber its events"
     assert flood["refused"].get("events_subscriptions", 0) >= 1, "the cut counted in the heartbeats"
@@ -1022,6 +1025,49 @@ def test_subscriptions_past_the_sockets_total_are_refused_and_room_comes_back_wh
     finally:
         for peer in peers:
             peer.close()
+        publisher.close(linger=0)
+        ctx.term()
+
+
+def test_without_keys_past_the_total_the_connection_that_sent_most_is_cut_and_no_other():
+    # libzmq's own proxy files subscriptions (a run without keys) and cannot say who sent
+    # which: past TOTAL in force, the connection that has sent the most bytes is cut
+    from offloop.bus.subscription_cap import TOTAL
+
+    ctx = zmq.Context()
+    publisher = Publisher("keyless-run", heartbeat_interval=0.1, context=ctx)
+    publisher.start()
+    heavy, light = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB)
+    light_events = light.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        with Subscriber(publisher.endpoints["events"], topics=["batch_end"], context=ctx) as good:
+            good.connect()
+            wait_until(lambda: publisher.wants("batch_end"), 5, "the subscription")
+            interest = publisher.interest
+            base = interest.in_force  # the good subscriber's
+            heavy.reconnect_ivl = 60_000  # once cut it stays away: the count settles
+            for sock, count, pad in ((light, 300, b""), (heavy, 300, b"h" * 200)):
+                sock.linger = 0
+                sock.connect(publisher.endpoints["events"])
+                for i in range(count):
+                    sock.subscribe(pad + b"%s-%04d" % (pad[:1] or b"l", i))
+                if sock is light:  # the light one first: the heavy one takes the total past
+                    wait_until(lambda: interest.in_force >= base + 300, 10, "the light one's")
+                    time.sleep(0.2)
+                    level = interest.in_force  # the good subscriber's and the light one's
+            assert level + 300 > TOTAL
+            wait_until(lambda: publisher.refusals().get("events_subscriptions") == 1, 15,
+                       "the heavy connection cut and counted")
+            wait_until(lambda: interest.in_force == level, 10, "the heavy one's taken back")
+            time.sleep(0.3)  # the light one stays: nothing more is cut
+            assert publisher.refusals().get("events_subscriptions") == 1
+            assert not light_events.poll(0), "the light connection was cut"
+            publisher.publish("batch_end", (0, 1, 1, 1, 0), {"i": 1})
+            assert good.recv(timeout=5).data == {"i": 1} and good.stats.gaps == 0
+    finally:
+        light_events.close()
+        for sock in (heavy, light):
+            sock.close(linger=0)
         publisher.close(linger=0)
         ctx.term()
 
