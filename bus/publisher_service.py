@@ -55,10 +55,10 @@ class PublisherService:
         self._caps: dict[str, ConnectionCap] = {}
         # subscriptions capped by connection: by default with keys, where a monitor key is
         # trusted with less than the run (events_proxy). The proxy thread's alone; None:
-        # libzmq's proxy, no cap
+        # libzmq's proxy, whose subscriptions `_flood` bounds by their number in force
         capped = curve is not None if capped is None else capped
         self._subscriptions = SubscriptionCap() if capped else None
-        self._flood: FloodCut | None = None  # the bound where libzmq's proxy files them
+        self._flood: FloodCut | None = None  # this thread's, made with the events socket's cap
 
     def start(self, ctx: zmq.Context, inproc: str, host: str, events_port: int,
               state_port: int, queue_size: int, subscriber_hwm: int) -> dict[str, str]:
