@@ -1,8 +1,12 @@
 """Relay: one process that fans a run out to many monitors, on ZeroMQ's own devices.
 
-Pattern: the Guide's proxies. Events go through an XSUB/XPUB proxy run in libzmq (the
-trainer has one subscriber, the relay, however many monitors join; subscriptions flow
-upstream, so the trainer still serializes only what someone wants); late-join state,
+Pattern: the Guide's proxies. Events go through an XSUB/XPUB proxy (the trainer has one
+subscriber, the relay, however many monitors join; subscriptions flow upstream, so the
+trainer still serializes only what someone wants). The relay's proxy always files
+subscriptions by connection (events_proxy's capped loop, keys or not): fanning out is
+this process's whole job, so a monitor that floods it with subscriptions is cut here
+rather than growing the relay without bound and being cut, with the relay's connection
+and every monitor behind it, at the trainer. Late-join state,
 run info and control requests go through ROUTER/DEALER, one hop, with the client's
 routing identity in the envelope (`wire.split_envelope`).
 
@@ -116,12 +120,10 @@ class Relay:
         self._threads: list[threading.Thread] = []
         self._revocation: RevocationCut | None = None
         self._caps: dict[str, ConnectionCap] = {}
-        # with keys, as the trainer's (events_proxy): the events thread's alone; no more
-        # distinct prefixes than the trainer lets one connection have, so that the relay's
-        # own connection is never cut for its monitors' sake, and half of them a monitor,
-        # so that one alone cannot take them all
-        self._subscriptions = (SubscriptionCap(per_peer=PER_PEER // 2, total=PER_PEER)
-                               if keys is not None else None)
+        # the events thread's alone; no more distinct prefixes than the trainer lets one
+        # connection have, so that the relay's own connection is never cut for its
+        # monitors' sake, and half of them a monitor, so that one alone cannot take them all
+        self._subscriptions = SubscriptionCap(per_peer=PER_PEER // 2, total=PER_PEER)
 
     # ------------------------------------------------------------ set-up
 
@@ -135,7 +137,7 @@ class Relay:
                                       maxmsgsize=self.limits.max_message_bytes)
         back = self._public_socket(zmq.XPUB, "events", RELAY_EVENTS_CONNECTIONS,
                                    sndhwm=self.subscriber_hwm, maxmsgsize=MAX_SUBSCRIPTION_BYTES,
-                                   **(CAPPED_OPTIONS if self._subscriptions is not None else {}))
+                                   **CAPPED_OPTIONS)
         proxy_ctl = ctx.socket(zmq.PAIR)
         proxy_ctl.bind(self._inproc + "-proxy")
         self._proxy_ctl = ctx.socket(zmq.PAIR)
@@ -207,10 +209,9 @@ class Relay:
             routes[dealer] = (name, public)
         poller.register(beats, zmq.POLLIN)
         poller.register(stop, zmq.POLLIN)
-        # with keys the events socket's monitor is the events thread's (it files subscriptions
-        # by connection)
-        requests = [cap for name, cap in self._caps.items()
-                    if name != "events" or self._subscriptions is None]
+        # the events socket's monitor is the events thread's (it files subscriptions by
+        # connection)
+        requests = [cap for name, cap in self._caps.items() if name != "events"]
         monitors = {cap.monitor: cap for cap in requests}
         for monitor in monitors:
             poller.register(monitor, zmq.POLLIN)
@@ -226,8 +227,7 @@ class Relay:
                     for cap in requests:
                         cap.take()
                 self.stats.connections_cut = sum(cap.cut for cap in self._caps.values())
-                if self._subscriptions is not None:
-                    self.stats.subscriptions_refused = self._subscriptions.refused
+                self.stats.subscriptions_refused = self._subscriptions.refused
                 for sock in ready:
                     if sock in routes:
                         name, other = routes[sock]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 import zmq.utils.garbage as garbage
-from helpers.figures import report
+from helpers.figures import memory, report
 from helpers.waiting import wait_until
 from helpers.wire_values import deepest_alone, nested
 
@@ -772,17 +772,6 @@ def test_a_backlog_of_late_join_requests_is_answered_in_rounds_with_one_settle_w
     assert frames  # each answer a whole state: header then its entries
 
 
-def _memory(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (the peak) of a process, in bytes."""
-    out = {}
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 def test_a_flood_of_padded_state_requests_is_held_a_few_a_connection_not_all_in_memory(spawn):
     # issue 44: 400 well-formed state requests padded to 4 MiB were all read into the
     # publisher's memory (23 to 1,195 MiB) before its service thread reached them; now a
@@ -795,7 +784,7 @@ def test_a_flood_of_padded_state_requests_is_held_a_few_a_connection_not_all_in_
     child = spawn("streaming_publisher", 60)
     endpoints = child.line()
     assert child.line()["published"] == 100
-    before = _memory(child.popen.pid)["VmRSS"]
+    before = memory(child.popen.pid)["VmRSS"]
     body = encode_request("state_req", topics=["batch_end"], pad=b"x" * (request_socket_cap() - 4096))
     ctx = zmq.Context()
     flood = ctx.socket(zmq.DEALER)
@@ -813,7 +802,7 @@ def test_a_flood_of_padded_state_requests_is_held_a_few_a_connection_not_all_in_
             while flood.poll(0):
                 flood.recv_multipart()
                 answers += 1
-        grown = _memory(child.popen.pid)["VmHWM"] - before
+        grown = memory(child.popen.pid)["VmHWM"] - before
         while answers < sent and flood.poll(5000):  # every request sent is answered
             flood.recv_multipart()
             answers += 1
@@ -846,7 +835,7 @@ def _flood_beside_a_subscriber(child, prefixes: list[bytes]) -> dict:
     endpoints = child.line()
     assert child.line()["published"] == 100
     pid = child.popen.pid
-    before = _memory(pid)["VmRSS"]
+    before = memory(pid)["VmRSS"]
     ctx = zmq.Context()
     flood = ctx.socket(zmq.SUB)
     flood.sndhwm = 0  # all of them leave, each time it connects (libzmq sends them again)
@@ -863,7 +852,7 @@ def _flood_beside_a_subscriber(child, prefixes: list[bytes]) -> dict:
             received, deadline = 0, time.monotonic() + 3  # the flood reconnects meanwhile
             while time.monotonic() < deadline:
                 received += good.recv(timeout=0.05) is not None
-            return {"grown": _memory(pid)["VmHWM"] - before, "received": received,
+            return {"grown": memory(pid)["VmHWM"] - before, "received": received,
                     "gaps": good.stats.gaps, "refused": dict(good.publisher_refused)}
     finally:
         flood.close()

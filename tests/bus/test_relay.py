@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from helpers.figures import memory, report
 from helpers.waiting import wait_until
 
 from offloop.bus import (
@@ -348,6 +349,86 @@ def test_with_keys_a_monitor_key_asking_too_many_subscriptions_is_cut_at_the_tra
         finally:
             for flood in floods:
                 flood.close()
+            ctx.term()
+
+
+def test_without_keys_a_monitor_asking_too_many_subscriptions_is_cut_at_the_relay_and_no_other(
+        tmp_path):
+    # issue 44: a relay without keys filed every prefix its monitors sent (libzmq's proxy),
+    # and passed them all to the trainer, where the relay's one connection would be cut
+    # with every monitor behind it; it now files them by connection, keys or not
+    from offloop.bus.subscription_cap import PER_PEER
+
+    with a_run(tmp_path) as (pub, _, run_dir), Relay(read_run_info(run_dir)) as relay:
+        ctx = zmq.Context()
+        flood = ctx.socket(zmq.SUB)
+        flood.linger = 0
+        flood.reconnect_ivl = -1  # cut once, it stays away
+        try:
+            with Subscriber(relay.endpoints["events"], topics=["batch_end"], context=ctx) as sub:
+                sub.connect()
+                flood.connect(relay.endpoints["events"])
+                for i in range(PER_PEER + 50):
+                    flood.subscribe(f"junk-{i:04d}")
+                wait_until(lambda: relay.stats.subscriptions_refused >= 1, 15,
+                           "the flood refused at the relay")
+
+                def served() -> bool:
+                    pub.publish("batch_end", (0, 1, 1, 1, 0), {"i": 1})
+                    return sub.recv(timeout=0.05) is not None
+
+                wait_until(served, 10, "batch_end through the relay meanwhile")
+                assert relay._subscriptions.cut == 1
+                # the trainer saw no more than the relay's own cap: nothing cut or refused there
+                assert pub.interest.in_force <= PER_PEER
+                assert pub.refusals().get("events_subscriptions", 0) == 0
+        finally:
+            flood.close()
+            ctx.term()
+
+
+def test_without_keys_a_flood_of_short_subscriptions_costs_the_relay_process_little(tmp_path):
+    # issue 44: 20 000 prefixes of 255 bytes from one SUB socket, sent again each time it
+    # reconnects, at `offloop relay` (a process of its own) in front of a run without keys
+    prefixes = [b"%06d" % i + b"x" * 249 for i in range(20_000)]
+    with a_run(tmp_path) as (pub, _, run_dir), \
+            a_relay(run_dir, tmp_path / "announced") as (relay, relayed):
+        stop = threading.Event()
+
+        def publish() -> None:  # a batch_end a millisecond, as a training loop's
+            step = 0
+            while not stop.is_set():
+                step += 1
+                pub.publish("batch_end", (0, step, step, step, 0), {"i": step})
+                time.sleep(0.001)
+
+        publisher = threading.Thread(target=publish, daemon=True)
+        ctx = zmq.Context()
+        flood = ctx.socket(zmq.SUB)
+        flood.sndhwm, flood.linger = 0, 0  # every prefix leaves, each time it connects
+        try:
+            with Subscriber(relayed.endpoints["events"], topics=["batch_end"], context=ctx) as good:
+                good.connect()
+                publisher.start()
+                wait_until(lambda: good.recv(timeout=0.1) is not None, 10, "batch_end via the relay")
+                before = memory(relay.pid)["VmRSS"]
+                flood.connect(relayed.endpoints["events"])
+                for prefix in prefixes:
+                    flood.subscribe(prefix)
+                received, deadline = 0, time.monotonic() + 3
+                while time.monotonic() < deadline:
+                    received += good.recv(timeout=0.05) is not None
+                grown = memory(relay.pid)["VmHWM"] - before
+                report("relay_many_short_subscriptions", peak_growth_mib=round(grown / 2**20, 1),
+                       received=received, gaps=good.stats.gaps)
+                assert grown < 64 << 20, f"the relay grew by {grown / 2**20:.0f} MiB"
+                assert received > 100 and good.stats.gaps == 0, "the flood cost the monitor its events"
+                assert pub.refusals().get("events_subscriptions", 0) == 0, "the trainer cut the relay"
+        finally:
+            stop.set()
+            if publisher.is_alive():
+                publisher.join(5)
+            flood.close()
             ctx.term()
 
 

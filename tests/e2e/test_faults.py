@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.fault_callbacks import PidStepLog, StepList
-from helpers.figures import report
+from helpers.figures import memory, report
 from helpers.waiting import wait_until
 from programs.sigterm_trainer import make as make_sigterm_trainer
 from torch.utils.data import DataLoader, Dataset
@@ -278,16 +278,6 @@ def test_sigterm_without_a_checkpoint_or_during_eval_still_ends_the_run_cleanly(
 # -------------------------------------------------------------- a subscriber that never reads
 
 
-def _memory(pid: int) -> dict[str, int]:
-    """Resident and peak resident memory of a process, in bytes, from /proc."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            fields[key] = int(value.split()[0]) * 1024
-    return fields
-
-
 def test_a_subscriber_that_stops_reading_costs_the_publisher_bounded_memory_and_loss_is_counted(
         spawn, tmp_path):
     events, payload = 300_000, 1024
@@ -297,10 +287,10 @@ def test_a_subscriber_that_stops_reading_costs_the_publisher_bounded_memory_and_
     stalled = Subscriber(endpoints["events"], endpoints["state"], topics=["batch_end"],
                          heartbeat_timeout=60)
     stalled.connect(join_timeout=30)  # subscribed; from here on it reads nothing
-    before = _memory(started["pid"])
+    before = memory(started["pid"])
     (tmp_path / "go").touch()
     done = child.line(timeout=240)
-    after = _memory(started["pid"])
+    after = memory(started["pid"])
     assert done["published"] == events and done["tseq"] == events
 
     volume = events * payload
