@@ -1,7 +1,7 @@
-"""What a local peer flooding a run's request sockets costs the training (issue 44).
+"""What each attack of issue 44's audit costs a training run, one attack at a time.
 
 A real Trainer trains an MLP (784-256-256-10, batch 64, synthetic data) in this process
-for the whole measurement; another process floods it, in turn, with each attack below,
+for the whole measurement; another process attacks it, in turn, with each attack below,
 every attack phase between two quiet phases of the same length (interleaved, so a drift of
 the machine's speed hits both alike). Per attack:
 
@@ -17,21 +17,32 @@ the machine's speed hits both alike). Per attack:
   sent, answered    messages the attacker sent and replies it got (each one refused)
   attacker_cores    the attacker process's CPU time over the attack's length (its libzmq
                     I/O thread writing counts): how much of the machine the attack itself took
+  refused           what the trainer's heartbeats said its sockets refused, by kind, at the
+                    end of the phase (`Publisher.refusals()`: every refusal counted)
 
-Attacks (8 connections each, sending as fast as libzmq takes them):
+Attacks (the request floods from 8 connections, sending as fast as libzmq takes them):
   spin                the same attacker process, heartbeats heard, nothing sent: the floor,
                       what an attacker costs by taking one of the two cores (the trainer
                       runs torch on one thread, so the cores are the training thread's and
                       the attacker's; the trainer's other threads share them)
   control_cheap       64-byte bodies that are not msgpack, to the control socket
   control_wide        16 KiB bodies of 16 000 small objects, well-formed msgpack, no valid
-                      request (the costliest body a request may be)
+                      request (the costliest body a request may be; the audit's 2)
   control_oversized   60 KiB bodies, refused by their length
   control_huge        4 MiB bodies: past the transport cap, each cuts its connection
-  state_wide          the wide bodies, to the state socket
+  control_given_up    valid halts with wait=1e-9, each from a client of its own: refused by
+                      the trainer as given up (the audit's 4, as a flood)
+  state_wide          the wide bodies, to the state socket (the audit's 2)
+  state_padded        well-formed state requests padded to 4 MiB (the audit's 3a)
+  partial_held        40 raw connections to each of the three sockets, each holding all but
+                      the last byte of the largest message the socket admits (the audit's 3b)
+  subscriptions_long  one SUB socket subscribing 1 500 prefixes of 4 000 bytes (3c)
+  subscriptions_short one SUB socket subscribing 20 000 prefixes of 255 bytes, again at each
+                      reconnection (3c within the length limit)
 
 What it does not show: an attacker with CURVE keys (a handshake per connection; the same
-budget then applies after it), a GPU run, several attackers on several hosts.
+budget then applies after it), a GPU run, several attackers on several hosts. The run
+here has no keys (its subscriptions bounded by FloodCut: bus/subscription_cap.py).
 
 Run: python benchmarks/request_flood.py [--phase S] [--rounds N] [--attacks spin,control_cheap,...]
 """
@@ -53,29 +64,50 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-ATTACKS = ("spin", "control_cheap", "control_wide", "control_oversized", "control_huge", "state_wide")
+ATTACKS = ("spin", "control_cheap", "control_wide", "control_oversized", "control_huge",
+           "control_given_up", "state_wide", "state_padded", "partial_held", "subscriptions_long",
+           "subscriptions_short")
+ROOT = Path(__file__).resolve().parents[1]
 
 ATTACKER = r'''
 import json, sys, time
 import msgpack, zmq
-kind, endpoint, events, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
-body = {"spin": None, "control_cheap": b"\xc1" * 64,
+kind, endpoints, seconds = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+sys.path.insert(0, sys.argv[4])  # the checkout's tests/: helpers.raw_zmtp
+from offloop.bus.wire import MAX_SUBSCRIPTION_BYTES, encode_request, request_socket_cap
+body = {"control_cheap": b"\xc1" * 64,
         "control_wide": msgpack.packb({"v": 2, "k": "ctl", "x": [[0] * 1000] * 16}),
         "control_oversized": b"\xc1" * (60 << 10),
         "control_huge": b"\xc1" * (4 << 20),
         "state_wide": msgpack.packb({"v": 2, "k": "state_req", "topics": None,
-                                     "x": [[0] * 1000] * 16})}[kind]
+                                     "x": [[0] * 1000] * 16}),
+        "state_padded": msgpack.packb({"v": 2, "k": "state_req", "topics": None,
+                                       "pad": b"x" * (4 << 20)})}.get(kind)
 ctx = zmq.Context()
 beats = ctx.socket(zmq.SUB)
 beats.setsockopt(zmq.SUBSCRIBE, b"_hb\0")
-beats.connect(events)
-dealers = []
-for _ in range(8):
-    d = ctx.socket(zmq.DEALER)
-    d.linger = 0
-    d.sndhwm = 64
-    d.connect(endpoint)
-    dealers.append(d)
+beats.connect(endpoints["events"])
+dealers, held = [], []
+if body is not None or kind == "control_given_up":
+    for _ in range(8):
+        d = ctx.socket(zmq.DEALER)
+        d.linger = 0
+        d.sndhwm = 64
+        d.connect(endpoints["state" if kind.startswith("state") else "control"])
+        dealers.append(d)
+elif kind == "partial_held":
+    from helpers.raw_zmtp import hold_partial
+    for name, peer, size in (("control", b"DEALER", request_socket_cap()),
+                             ("state", b"DEALER", request_socket_cap()),
+                             ("events", b"SUB", MAX_SUBSCRIPTION_BYTES)):
+        held += [hold_partial(endpoints[name], peer, size) for _ in range(40)]
+elif kind.startswith("subscriptions"):
+    flood = ctx.socket(zmq.SUB)
+    flood.sndhwm, flood.linger = 0, 0  # every prefix leaves, again at each reconnection
+    flood.connect(endpoints["events"])
+    count, length = (1500, 4000) if kind == "subscriptions_long" else (20000, 255)
+    for i in range(count):
+        flood.subscribe(b"%06d" % i + b"x" * (length - 6))
 time.sleep(0.5)
 while beats.poll(0):
     beats.recv_multipart()
@@ -83,7 +115,10 @@ sent = answered = 0
 last_beat, gap = time.monotonic(), 0.0
 end = time.monotonic() + seconds
 while (now := time.monotonic()) < end:
-    for d in dealers if body is not None else ():
+    for d in dealers:
+        if kind == "control_given_up":
+            body = encode_request("ctl", client=f"given-up-{sent}", req=1, op="halt",
+                                  args={"reason": "flood"}, t=time.time(), wait=1e-9)
         try:
             d.send(body, zmq.NOBLOCK)
             sent += 1
@@ -95,8 +130,10 @@ while (now := time.monotonic()) < end:
     while beats.poll(0):
         beats.recv_multipart()
         gap, last_beat = max(gap, now - last_beat), now
-    if kind == "control_huge":
+    if kind in ("control_huge", "state_padded"):
         time.sleep(0.01)  # each send waits for a reconnection anyway
+    elif kind != "spin" and not dealers:
+        time.sleep(0.001)  # held or subscribed: listening for heartbeats only
 gap = max(gap, time.monotonic() - last_beat)
 print(json.dumps({"sent": sent, "answered": answered, "max_beat_gap_s": round(gap, 2),
                   "attacker_cores": round(time.process_time() / seconds, 2)}))
@@ -164,9 +201,9 @@ def main() -> None:
         started = time.monotonic()
         child = None
         if attack is not None:
-            target = endpoints["state" if attack.startswith("state") else "control"]
-            child = subprocess.Popen([sys.executable, "-c", ATTACKER, attack, target, endpoints["events"],
-                                      str(args.phase)], stdout=subprocess.PIPE, text=True)
+            child = subprocess.Popen([sys.executable, "-c", ATTACKER, attack, json.dumps(endpoints),
+                                      str(args.phase), str(ROOT / "tests")],
+                                     stdout=subprocess.PIPE, text=True)
         while time.monotonic() - started < args.phase:
             peak = max(peak, rss())
             time.sleep(0.05)
@@ -176,6 +213,7 @@ def main() -> None:
                **{f"{k}_cpu_ms_s": round(1000 * (v - cpu[k]) / took, 1) for k, v in thread_cpu().items()}}
         if child is not None:
             out.update(json.loads(child.communicate(timeout=120)[0].strip().splitlines()[-1]))
+            out["refused"] = {k: v for k, v in trainer.publisher.refusals().items() if v}
         return out
 
     for _ in range(args.rounds):
@@ -214,6 +252,7 @@ def main() -> None:
                            "max_beat_gap_s": max(row["max_beat_gap_s"]),
                            "sent": row["sent"], "answered": row["answered"]}
     summary["control_stats"] = {k: getattr(stats, k) for k in ("malformed", "oversized", "received")}
+    summary["refused"] = {k: v for k, v in trainer.publisher.refusals().items() if v}
     trainer.close()
     print(json.dumps(summary))
 

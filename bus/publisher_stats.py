@@ -8,9 +8,11 @@ from dataclasses import dataclass
 __all__ = ["PublisherStats", "REFUSAL_KINDS"]
 
 #: every kind of refusal a run's heartbeats may count (Publisher.refusals): the control
-#: server's, the state socket's, the events socket's; the Prometheus exporter serves each
+#: server's, the trainer's (given up, outlived), the state socket's, the events socket's;
+#: the Prometheus exporter serves each
 REFUSAL_KINDS = ("control_malformed", "control_oversized", "control_unauthorized",
                  "control_refused", "control_overflow", "control_stale", "control_connections",
+                 "control_given_up", "control_outlived",
                  "state_malformed", "state_unauthorized", "state_connections", "events_foreign",
                  "events_connections", "events_subscriptions")
 

@@ -90,6 +90,10 @@ class Control:
         #: write before it, the collective, copying the state): benchmarks/checkpoint_stall.py
         self.stalls: deque[float] = deque(maxlen=256)
 
+    def refusals(self) -> dict[str, int]:
+        """What the trainer refused unapplied, by kind (`Publisher.count_refusals`)."""
+        return {"control_given_up": self.given_up, "control_outlived": self.outlived}
+
     # ------------------------------------------------------------ per batch
 
     def poll(self, ts: Timestamp) -> int:
@@ -122,12 +126,14 @@ class Control:
                        else ""),
                     step=ts.batch,
                 )
-                log.warning(
-                    "offloop: %s from %s dropped: its client stopped waiting before the trainer "
-                    "read it",
-                    request.op,
-                    request.client,
-                )
+                if _rarely(self.given_up):  # a flood of them logs little on this thread
+                    log.warning(
+                        "offloop: %s from %s dropped: its client stopped waiting before the "
+                        "trainer read it (%d dropped so far)",
+                        request.op,
+                        request.client,
+                        self.given_up,
+                    )
                 continue
             # sent to a fit that has ended (or between it and this one): never applied here
             if request.fit < self.fit:
@@ -138,8 +144,10 @@ class Control:
                     "one it arrived in; ask again",
                     step=ts.batch,
                 )
-                log.warning("offloop: %s from %s dropped: it arrived before fit %d began",
-                            request.op, request.client, self.fit)
+                if _rarely(self.outlived):
+                    log.warning("offloop: %s from %s dropped: it arrived before fit %d began "
+                                "(%d dropped so far)", request.op, request.client, self.fit,
+                                self.outlived)
                 continue
             self.requests_seen += 1
             self._emit(
@@ -360,3 +368,8 @@ class Control:
         self.sigterm = True
         if not self.agreement.active:
             self.stop = True
+
+
+def _rarely(count: int) -> bool:
+    """Whether the `count`th of a kind of message is logged: the 1st, 2nd, 4th, 8th, ..."""
+    return count & (count - 1) == 0

@@ -80,6 +80,8 @@ class RunServices:
         self.control = Control(self.server, agreement, self.emitter, checkpointer,
                                checkpoint_on_sigterm=settings.checkpoint_on_sigterm,
                                saves_after_fit=rank == 0 and world_size == 1)
+        if self.server is not None:  # heartbeats count what the trainer refused too
+            self.publisher.count_refusals(self.control.refusals)
         # waits at decisions are one process's: under torchrun every rank polls per batch
         schedule = self.workers.decision_schedule if world_size == 1 else {}
         self.decisions = Decisions(schedule, float(settings.decision_timeout), self.emitter,

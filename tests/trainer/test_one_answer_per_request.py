@@ -113,7 +113,9 @@ def test_thousands_of_given_up_halts_never_make_a_checkpoint_request_written_twi
     thread.start()
     trainer.fit()
     thread.join(60)
+    refused = trainer.publisher.refusals()  # what the heartbeats carry: every refusal counted
     trainer.close()
+    assert refused["control_given_up"] == 4200
     assert got["first"].ok and got["retry"] == got["first"]
     assert len(got["flood"]) == 4200 and not any(reply["ok"] for reply in got["flood"])
     assert trainer.controller.given_up == 4200 and got["halt"].ok
@@ -153,6 +155,7 @@ def test_a_halt_that_arrives_between_fits_is_refused_by_the_next_fit_not_applied
         trainer.fit(duration="3ep")
         assert trainer.timestamp.epoch == 3 and trainer.stopped_by is None
         assert trainer.controller.outlived == 2 and trainer.controller.given_up == 0
+        assert trainer.publisher.refusals()["control_outlived"] == 2
         thread.join(30)
         assert raw.poll(10_000)
         reply = msgpack.unpackb(raw.recv())
