@@ -10,8 +10,10 @@ the machine's speed hits both alike). Per attack:
                     cost beyond the attacker's own CPU)
   request_cpu_ms_s  CPU time of the trainer's threads that read requests (offloop-control,
                     offloop-publisher) and of libzmq's I/O threads, ms per second of attack
-  rss_growth_mib    the trainer process's peak RSS during the attack over its RSS before
-                    the first attack (target < 64)
+  rss_growth_mib    the trainer process's peak RSS during the attack over its RSS when the
+                    attack began (target < 64; what an earlier attack left is not charged
+                    to this one); beside it `rss_over_start_mib`, over its RSS before the
+                    first attack
   max_beat_gap_s    the longest silence between two heartbeats the attacker's own SUB
                     socket heard during the attack (target <= 2; the interval is 0.5 s)
   sent, answered    messages the attacker sent and replies it got (each one refused)
@@ -19,6 +21,7 @@ the machine's speed hits both alike). Per attack:
                     I/O thread writing counts): how much of the machine the attack itself took
   refused           what the trainer's heartbeats said its sockets refused, by kind, at the
                     end of the phase (`Publisher.refusals()`: every refusal counted)
+  close_s           (in the summary) how long the trainer's close() took after every attack
 
 Attacks (the request floods from 8 connections, sending as fast as libzmq takes them):
   spin                the same attacker process, heartbeats heard, nothing sent: the floor,
@@ -32,7 +35,8 @@ Attacks (the request floods from 8 connections, sending as fast as libzmq takes 
   control_huge        4 MiB bodies: past the transport cap, each cuts its connection
   control_given_up    valid halts with wait=1e-9, each from a client of its own: refused by
                       the trainer as given up (the audit's 4, as a flood)
-  state_wide          the wide bodies, to the state socket (the audit's 2)
+  state_wide          the wide bodies, to the state socket: well-formed state requests (a
+                      map may carry more fields), each answered (the audit's 2)
   state_padded        well-formed state requests padded to 4 MiB (the audit's 3a)
   partial_held        40 raw connections to each of the three sockets, each holding all but
                       the last byte of the largest message the socket admits (the audit's 3b)
@@ -62,6 +66,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from proc_memory import rss_mib
 from torch.utils.data import DataLoader, TensorDataset
 
 ATTACKS = ("spin", "control_cheap", "control_wide", "control_oversized", "control_huge",
@@ -70,8 +75,9 @@ ATTACKS = ("spin", "control_cheap", "control_wide", "control_oversized", "contro
 ROOT = Path(__file__).resolve().parents[1]
 
 ATTACKER = r'''
-import json, sys, time
+import json, os, sys, time
 import msgpack, zmq
+pid = os.getpid()  # client names never seen before, in every round
 kind, endpoints, seconds = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
 sys.path.insert(0, sys.argv[4])  # the checkout's tests/: helpers.raw_zmtp
 from offloop.bus.wire import MAX_SUBSCRIPTION_BYTES, encode_request, request_socket_cap
@@ -117,7 +123,7 @@ end = time.monotonic() + seconds
 while (now := time.monotonic()) < end:
     for d in dealers:
         if kind == "control_given_up":
-            body = encode_request("ctl", client=f"given-up-{sent}", req=1, op="halt",
+            body = encode_request("ctl", client=f"given-up-{pid}-{sent}", req=1, op="halt",
                                   args={"reason": "flood"}, t=time.time(), wait=1e-9)
         try:
             d.send(body, zmq.NOBLOCK)
@@ -161,11 +167,14 @@ def thread_cpu() -> dict[str, float]:
     return groups
 
 
-def rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) << 10
-    return 0
+def rss(field: str = "VmRSS") -> int:
+    """This process's resident memory in bytes (VmHWM: its peak since reset_peak())."""
+    return int(rss_mib(os.getpid(), field) * 1024) << 10
+
+
+def reset_peak() -> None:
+    """Start VmHWM again from the resident memory now (Linux's clear_refs, value 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def main() -> None:
@@ -197,7 +206,8 @@ def main() -> None:
     baseline_rss, results = rss(), {}
 
     def phase(attack: str | None) -> dict:
-        start_batch, peak, cpu = trainer.timestamp.batch, rss(), thread_cpu()
+        start_batch, start_rss, cpu = trainer.timestamp.batch, rss(), thread_cpu()
+        reset_peak()
         started = time.monotonic()
         child = None
         if attack is not None:
@@ -205,11 +215,10 @@ def main() -> None:
                                       str(args.phase), str(ROOT / "tests")],
                                      stdout=subprocess.PIPE, text=True)
         while time.monotonic() - started < args.phase:
-            peak = max(peak, rss())
             time.sleep(0.05)
-        took = time.monotonic() - started
+        took, peak = time.monotonic() - started, rss("VmHWM")
         rate = (trainer.timestamp.batch - start_batch) / took
-        out = {"rate": rate, "peak": peak,
+        out = {"rate": rate, "peak": peak, "grown": peak - start_rss,
                **{f"{k}_cpu_ms_s": round(1000 * (v - cpu[k]) / took, 1) for k, v in thread_cpu().items()}}
         if child is not None:
             out.update(json.loads(child.communicate(timeout=120)[0].strip().splitlines()[-1]))
@@ -228,18 +237,22 @@ def main() -> None:
             row["request_cpu_ms_s"].append(during["request_cpu_ms_s"])
             row["zmq_io_cpu_ms_s"].append(during["zmq_io_cpu_ms_s"])
             row.setdefault("attacker_cores", []).append(during["attacker_cores"])
-            row["rss_growth_mib"].append(round((during["peak"] - baseline_rss) / 2**20, 1))
+            row["rss_growth_mib"].append(round(during["grown"] / 2**20, 1))
+            row.setdefault("rss_over_start_mib", []).append(
+                round((during["peak"] - baseline_rss) / 2**20, 1))
             row["max_beat_gap_s"].append(during["max_beat_gap_s"])
             row["sent"] += during["sent"]
             row["answered"] += during["answered"]
             print(json.dumps({"attack": attack, "quiet_batches_per_s": round(quiet, 1),
                               "attacked_batches_per_s": round(during["rate"], 1), **{
-                                  k: v for k, v in during.items() if k not in ("rate", "peak")}}),
+                                  k: v for k, v in during.items() if k not in ("rate", "peak", "grown")},
+                              "rss_growth_mib": row["rss_growth_mib"][-1]}),
                   flush=True)
     trainer.controller.stop = True
     fit.join(60)
     stats = trainer.control.stats
-    summary = {"case": "request_flood", "pid": os.getpid(), "phase_s": args.phase, "rounds": args.rounds}
+    summary = {"case": "request_flood", "pid": os.getpid(), "phase_s": args.phase, "rounds": args.rounds,
+               "baseline_rss_mib": round(baseline_rss / 2**20, 1)}
     spin = statistics.fmean(results["spin"]["rates"])
     for attack, row in results.items():
         summary[attack] = {"step_rate_ratio_mean": round(statistics.fmean(row["step_rate_ratio"]), 3),
@@ -249,11 +262,15 @@ def main() -> None:
                            "attacker_cores": max(row["attacker_cores"]),
                            "step_rate_ratio_min": min(row["step_rate_ratio"]),
                            "rss_growth_mib_max": max(row["rss_growth_mib"]),
+                           "rss_growth_mib": row["rss_growth_mib"],
+                           "rss_over_start_mib_max": max(row["rss_over_start_mib"]),
                            "max_beat_gap_s": max(row["max_beat_gap_s"]),
                            "sent": row["sent"], "answered": row["answered"]}
     summary["control_stats"] = {k: getattr(stats, k) for k in ("malformed", "oversized", "received")}
     summary["refused"] = {k: v for k, v in trainer.publisher.refusals().items() if v}
+    started = time.monotonic()
     trainer.close()
+    summary["close_s"] = round(time.monotonic() - started, 2)
     print(json.dumps(summary))
 
 
