@@ -27,7 +27,8 @@ cores in a real job); every thread of the trainer process is.
 
 Instructions (--what instructions, or both): each case runs once under
 `valgrind --tool=callgrind`, every thread's costs zeroed as the window opens and dumped as
-it closes (client requests, from a tiny library compiled here).
+it closes (client requests, from a tiny library compiled here), glibc told never to use
+`rep stosb`/`rep movsb` (COUNTABLE_STRINGS: valgrind would count each byte they move).
 Per step: the training thread's instructions in the window over its steps, plus the
 other threads' (a client request reaches its own thread only, so theirs come from two runs,
 windows of N and 4N steps: the difference of their totals over 3N); the figure is the
@@ -93,6 +94,12 @@ CASES = ("hand", "floor", "every_event", "realistic", "lightning_bare", "lightni
 TARGET_INSTR_OVER_FLOOR, TARGET_ADDED_US = 2.0, 20.0
 #: how many times longer a step takes under valgrind, by size (docs/benchmarks.md)
 SLOWDOWN = {"tiny": 50.0, "large": 3000.0}
+#: glibc's memset and memcpy use vector loops at every size, never `rep stosb`/`rep movsb`:
+#: valgrind counts each byte such an instruction moves as one instruction (a step's 19 KB
+#: gradient zeroing read as 19 000), where a vector loop's count follows its cost. Every
+#: case is counted with it alike; natively glibc chooses as it likes (docs/benchmarks.md)
+COUNTABLE_STRINGS = ("glibc.cpu.x86_rep_stosb_threshold=18446744073709551615:"
+                     "glibc.cpu.x86_rep_movsb_threshold=18446744073709551615")
 #: the window's edges under callgrind: costs zeroed as it opens (every thread's), dumped as it
 #: closes (a collection toggle would count the calling thread only)
 WINDOW_SOURCE = """#include <valgrind/callgrind.h>
@@ -340,7 +347,9 @@ def instructions(sizes: list[str], steps: int, warmup: int, slowdown: float | No
     runs = [(case, size, n) for size in sizes for case in cases for n in (steps, 4 * steps)]
     with tempfile.TemporaryDirectory(prefix="offloop-callgrind-") as tmp:
         folder = Path(tmp)
-        env = {**os.environ, "OFFLOOP_WINDOW_LIBRARY": window_library(folder)}
+        env = {**os.environ, "OFFLOOP_WINDOW_LIBRARY": window_library(folder),
+               "GLIBC_TUNABLES": ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"),
+                                                         COUNTABLE_STRINGS]))}
 
         def run(case: str, size: str, n: int) -> tuple[int, int]:
             prefix = folder / f"cg-{case}-{size}-{n}"
