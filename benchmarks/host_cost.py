@@ -95,8 +95,8 @@ TARGET_INSTR_OVER_FLOOR, TARGET_ADDED_US = 2.0, 20.0
 #: how many times longer a step takes under valgrind, by size (docs/benchmarks.md)
 SLOWDOWN = {"tiny": 50.0, "large": 3000.0}
 #: glibc's memset and memcpy use vector loops at every size, never `rep stosb`/`rep movsb`:
-#: valgrind counts each byte such an instruction moves as one instruction (a step's 19 KB
-#: gradient zeroing read as 19 000), where a vector loop's count follows its cost. Every
+#: valgrind counts each byte such an instruction moves as one instruction (the Trainer's
+#: gradient zeroing read as thousands), where a vector loop's count follows its cost. Every
 #: case is counted with it alike; natively glibc chooses as it likes (docs/benchmarks.md)
 COUNTABLE_STRINGS = ("glibc.cpu.x86_rep_stosb_threshold=18446744073709551615:"
                      "glibc.cpu.x86_rep_movsb_threshold=18446744073709551615")
