@@ -74,12 +74,6 @@ class HeldEvents:
 
         return publish_held
 
-    def due(self) -> bool:
-        """Whether release_due() sends: HOLD_AT_MOST wait, or the interval has passed."""
-        queue = self.queue
-        return bool(queue) and (len(queue) >= HOLD_AT_MOST
-                                or time.perf_counter() - self.released_at >= self.interval)
-
     def stalled(self, after: float) -> bool:
         """Held events not released for `after` seconds (or the interval, if longer)."""
         return self.holding and bool(self.queue) and \
@@ -121,7 +115,14 @@ class HeldEvents:
             n = tseq.get(topic, 0)
             first[topic] = n + 1
             tseq[topic] = n + count
-        self._unfolded.append((seq, first, counts, held))
+        unfolded = self._unfolded
+        # a release whose topics all come again in this one holds no topic's latest event:
+        # dropped now rather than at the next fold, so a burst's entries live as long as
+        # one burst interval, not until the service thread wakes (the garbage collector
+        # goes through every young entry still alive each time it runs: docs/benchmarks.md)
+        while unfolded and unfolded[-1][2].keys() <= counts.keys():
+            unfolded.pop()
+        unfolded.append((seq, first, counts, held))
         if len(self._unfolded) >= FOLD_AT_MOST:  # the service thread is late: bound what waits
             self.fold()
         self._released_ts = entry_ts(held, -1)

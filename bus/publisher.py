@@ -206,8 +206,10 @@ class Publisher:
 
     def release_due(self) -> None:
         """release(), if the last burst left at least the hold interval ago or HOLD_AT_MOST
-        events wait. From the publishing thread only (release() may come from any thread)."""
-        if self.held.due():
+        events wait; from the publishing thread only, at every step (so one frame, no call)."""
+        held, queue = self.held, self.held.queue
+        if queue and (len(queue) >= HOLD_AT_MOST
+                      or time.perf_counter() - held.released_at >= held.interval):
             self._release(whole=True)
 
     def release(self, *, stop_holding: bool = False) -> None:
@@ -226,10 +228,8 @@ class Publisher:
                 self.held.holding = False
 
     def _release_locked(self, *, whole: bool = False) -> None:
-        held = self.held.take(whole=whole)
-        if held:
-            seq, first = self.held.number(held)
-            self.outbox.send_released(held, seq, first, self.interest)
+        if held := self.held.take(whole=whole):
+            self.outbox.send_released(held, *self.held.number(held), self.interest)
 
     # ---------------------------------------------------------- what it says
 

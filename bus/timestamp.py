@@ -1,7 +1,7 @@
 """`Timestamp`: counters of completed training work, named as Composer's, read-only.
 
 Promise: a Timestamp never changes (the trainer moves on to a new one, as Composer's
-does), and `as_tuple()` returns one tuple object for the whole life of a Timestamp.
+does), and `as_tuple()` (or `wire`) is one tuple object for the whole life of a Timestamp.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ class Timestamp:
 
     `as_tuple()` gives the same tuple object every time it is called on one Timestamp:
     the events published between two steps share it, and `Publisher.publish` packs an
-    event's ts only where it is not the very object the event before it had.
+    event's ts only where it is not the very object the event before it had. `wire` is
+    that tuple as an attribute: the training loop reads it at every event, where a call
+    would be a Python frame each time.
     """
 
     epoch: int
@@ -47,6 +49,7 @@ class Timestamp:
     token_in_epoch: int
     epoch_in_iteration: int
     iteration: int
+    wire: tuple[int, int, int, int, int]
 
     def __init__(self, epoch: int = 0, batch: int = 0, batch_in_epoch: int = 0, sample: int = 0,
                  token: int = 0, sample_in_epoch: int = 0, token_in_epoch: int = 0,
@@ -56,7 +59,7 @@ class Timestamp:
                              token=token, sample_in_epoch=sample_in_epoch,
                              token_in_epoch=token_in_epoch,
                              epoch_in_iteration=epoch_in_iteration, iteration=iteration,
-                             _wire=(epoch, batch, batch_in_epoch, sample, token))
+                             wire=(epoch, batch, batch_in_epoch, sample, token))
 
     @classmethod
     def counted(cls, *counters: int) -> Timestamp:
@@ -77,7 +80,7 @@ class Timestamp:
     def as_tuple(self) -> tuple[int, int, int, int, int]:
         """(epoch, batch, batch_in_epoch, sample, token), what every event carries: the same
         tuple object at every call (see the class docstring)."""
-        return self._wire
+        return self.wire
 
     def get(self, unit: Any) -> int:
         """The counter for a TimeUnit ('ep', 'ba', 'sp', 'tok')."""
@@ -96,7 +99,7 @@ class Timestamp:
         counters["token"] = token = old["token"] + tokens
         counters["sample_in_epoch"] = old["sample_in_epoch"] + samples
         counters["token_in_epoch"] = old["token_in_epoch"] + tokens
-        counters["_wire"] = (old["epoch"], batch, batch_in_epoch, sample, token)
+        counters["wire"] = (old["epoch"], batch, batch_in_epoch, sample, token)
         return new
 
     def to_next_epoch(self) -> Timestamp:

@@ -55,7 +55,7 @@ class Decisions:
         indexes = self.due(topic, ts) if topic in self.schedule else None
         if not indexes:
             if data is None:
-                self._emitter.emit(topic, ts.as_tuple())
+                self._emitter.emit(topic, ts.wire)
             else:
                 self._emitter.emit_tensors(topic, ts.as_tuple(), data)
             return

@@ -263,11 +263,11 @@ class Trainer:
     def _epoch_batches(self):
         """The epoch's batches; on resume, the batches already trained are skipped."""
         emit = self.emitter.emit
-        emit(Topic.BEFORE_DATALOADER, self.timestamp.as_tuple())
+        emit(Topic.BEFORE_DATALOADER, self.timestamp.wire)
         for batch in self._checkpointer.epoch_batches(self.train_dataloader, self.timestamp.epoch):
-            emit(Topic.AFTER_DATALOADER, self.timestamp.as_tuple())
+            emit(Topic.AFTER_DATALOADER, self.timestamp.wire)
             yield batch
-            emit(Topic.BEFORE_DATALOADER, self.timestamp.as_tuple())
+            emit(Topic.BEFORE_DATALOADER, self.timestamp.wire)
 
     def _train_batch(self, batch: Any) -> None:
         """One optimizer step, every event of it in Composer's order (its microbatches' in
@@ -277,7 +277,7 @@ class Trainer:
         if self._device_type != "cpu":
             batch = batches.to_device(batch, self.device)
         size = batches.batch_size(batch)
-        now = self.timestamp.as_tuple()
+        now = self.timestamp.wire  # as_tuple() without its call
         accum = (self.grad_accum if self.microbatch_size is None
                  else -(-size // self.microbatch_size))
         emit(Topic.BATCH_START, now, {"batch_size": size})
@@ -302,7 +302,7 @@ class Trainer:
             scheduler.step()
         tokens = self.num_tokens_fn(batch) if self.num_tokens_fn else 0
         self.timestamp = ts = self.timestamp.to_next_batch(size, tokens)
-        now = ts.as_tuple()
+        now = ts.wire
         if wants(Topic.BATCH_END):
             snapshot(Topic.BATCH_END, now,
                      self.readings.batch_end(loss, size, ts.batch, batch, micro, outputs))

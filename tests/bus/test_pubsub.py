@@ -6,6 +6,7 @@ import contextlib
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import msgpack
@@ -17,7 +18,7 @@ from helpers.figures import memory, report
 from helpers.waiting import wait_until
 from helpers.wire_values import deepest_alone, nested
 
-from offloop.bus import Publisher, PublisherSilent, Subscriber, WireError
+from offloop.bus import Publisher, PublisherSilent, Subscriber, WireError, publisher_service
 from offloop.bus.publisher import HOLD_AT_MOST
 from offloop.bus.wire import EventEncoder, decode_event
 from offloop.bus.wire.values import BURST_PREFIX
@@ -595,6 +596,33 @@ def test_a_late_joiners_state_is_each_topics_latest_after_hundreds_of_releases_a
         state = late.connect(join_timeout=5)
         assert {m.topic: (m.seq, m.tseq, m.ts, m.data["i"]) for m in state.entries} == latest
         assert latest["batch_end"][3] == 299 and latest["epoch_start"][3] == 301
+
+
+def test_a_released_burst_is_let_go_once_a_later_release_carries_all_its_topics(monkeypatch):
+    # released events wait for the service thread to fold them into the late-join state;
+    # kept until then (every 50 ms), a small model's bursts made the garbage collector run
+    # every hundred steps. Here the service thread never wakes: only releases let go.
+    monkeypatch.setattr(publisher_service, "STALL_CHECK", 60.0)
+    with Publisher("test-run", heartbeat_interval=60.0) as pub:
+        pub.hold(interval=0.0)
+        first = torch.zeros(3)
+        kept = weakref.ref(first)
+        pub.publish("batch_end", (0, 1, 1, 1, 0), {"x": first})
+        pub.publish("epoch_start", (0, 1, 1, 1, 0), {"i": 1})
+        pub.release()
+        del first
+        pub.publish("batch_end", (0, 2, 2, 2, 0), {"x": torch.ones(3)})
+        pub.release()
+        assert kept() is not None  # its burst still holds epoch_start's latest event
+        pub.publish("epoch_start", (0, 3, 3, 3, 0), {"i": 3})
+        pub.publish("batch_end", (0, 3, 3, 3, 0), {"x": torch.full((3,), 3.0)})
+        pub.release()
+        assert kept() is None
+        with Subscriber(pub.endpoints["events"], pub.endpoints["state"], settle=0.2) as late:
+            state = late.connect(join_timeout=5)
+        latest = {m.topic: (m.seq, m.tseq, m.ts) for m in state.entries}
+        assert latest["batch_end"] == (5, 3, (0, 3, 3, 3, 0))
+        assert latest["epoch_start"] == (4, 2, (0, 3, 3, 3, 0))
 
 
 def test_reserved_topics_are_refused_and_unencodable_held_events_are_counted_not_raised(publisher):
