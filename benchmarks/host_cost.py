@@ -33,11 +33,12 @@ Per step: the training thread's instructions in the window over its steps, plus 
 other threads' (a client request reaches its own thread only, so theirs come from two runs,
 windows of N and 4N steps: the difference of their totals over 3N); the figure is the
 instructions added over `hand`, and offloop's as a multiple of `floor`'s.
-Under valgrind a step takes longer (about 50 times on the tiny MLP, 3 000 on the large one,
-whose vectorised matrix products are emulated), so the burst interval (and heartbeat
-interval, and the publisher's 50 ms stall timer) of `floor` and offloop are scaled by
---slowdown (by default SLOWDOWN's figure for the size): as many steps share a burst as at
-native speed.
+Under valgrind a step takes longer (about 150 times on the tiny MLP, 3 000 on the large
+one, whose vectorised matrix products are emulated, and more on a busy machine), so the
+burst interval (and heartbeat interval, and the publisher's 50 ms stall timer) of `floor`
+and offloop, OffloopCallback's included, are scaled by the slowdown each run measures as it
+starts (a hand loop's step under valgrind over the same step timed natively just before;
+--slowdown fixes it instead): as many steps share a burst as at native speed.
 
 Time (--what time, or both): every case in turn in at least 20 rounds of short blocks (the
 order turns round each round); per block the training thread's CPU time (thread_time) and the other
@@ -92,8 +93,8 @@ from offloop.trainer import Trainer
 CASES = ("hand", "floor", "every_event", "realistic", "lightning_bare", "lightning_empty",
          "offloop_callback")
 TARGET_INSTR_OVER_FLOOR, TARGET_ADDED_US = 2.0, 20.0
-#: how many times longer a step takes under valgrind, by size (docs/benchmarks.md)
-SLOWDOWN = {"tiny": 50.0, "large": 3000.0}
+#: steps timed to measure valgrind's slowdown, by size (a large step takes ~10 s there)
+CALIBRATION_STEPS = {"tiny": 20, "large": 2}
 #: glibc's memset and memcpy use vector loops at every size, never `rep stosb`/`rep movsb`:
 #: valgrind counts each byte such an instruction moves as one instruction (the Trainer's
 #: gradient zeroing read as thousands), where a vector loop's count follows its cost. Every
@@ -230,7 +231,7 @@ class OffloopTrainer:
 
 
 class Lightning:
-    def __init__(self, size: str, window: Window, callback: str | None) -> None:
+    def __init__(self, size: str, window: Window, callback: str | None, slowdown: float) -> None:
         import lightning.pytorch as pl
 
         from offloop.integrations.lightning import OffloopCallback
@@ -251,6 +252,7 @@ class Lightning:
                 return self.opt
 
         self.pl, self.window, self.module = pl, window, Module()
+        intervals = Trainer.__init__.__kwdefaults__  # OffloopCallback's defaults are the Trainer's
         self.dir = tempfile.mkdtemp(prefix="offloop-host-cost-pl-")
         self.blocks = 0
         # the block's callbacks, made anew for each Lightning Trainer
@@ -258,7 +260,9 @@ class Lightning:
             None: lambda: [],
             "empty": lambda: [pl.Callback()],
             "offloop": lambda: [OffloopCallback([EveryEvent()], worker_shutdown_timeout=5,
-                                                run_dir=os.path.join(self.dir, f"run-{self.blocks}"))],
+                                                run_dir=os.path.join(self.dir, f"run-{self.blocks}"),
+                                                burst_interval=intervals["burst_interval"] * slowdown,
+                                                heartbeat_interval=intervals["heartbeat_interval"] * slowdown)],
         }[callback]
 
     def block(self) -> None:
@@ -285,7 +289,8 @@ def build(case: str, size: str, window: Window, slowdown: float = 1.0):
         return Floor(size, window)
     if case in ("every_event", "realistic"):
         return OffloopTrainer(size, window, case == "realistic", slowdown)
-    return Lightning(size, window, {"offloop_callback": "offloop", "lightning_empty": "empty"}.get(case))
+    return Lightning(size, window, {"offloop_callback": "offloop", "lightning_empty": "empty"}.get(case),
+                     slowdown)
 
 
 # ------------------------------------------------------------- instructions
@@ -304,9 +309,27 @@ def window_library(folder: Path) -> str:
     return str(library)
 
 
-def count_one(case: str, size: str, steps: int, warmup: int, slowdown: float) -> None:
+def hand_step_seconds(size: str, steps: int) -> float:
+    """A hand-loop step's wall time, after two steps of warm-up: valgrind's slowdown is this
+    under valgrind over this natively (the cases' steps are mostly the same torch work)."""
+    model, opt = make_model(size)
+    batches = make_batches(size, 4)
+    for i in range(steps + 2):
+        if i == 2:
+            began = time.perf_counter()
+        x, y = batches[i % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return (time.perf_counter() - began) / steps
+
+
+def count_one(case: str, size: str, steps: int, warmup: int, slowdown: float | None,
+              native_step: float) -> None:
     """Under valgrind: one window of `case`, its costs dumped as it closes."""
     library = ctypes.CDLL(os.environ["OFFLOOP_WINDOW_LIBRARY"])
+    if slowdown is None:
+        slowdown = hand_step_seconds(size, CALIBRATION_STEPS[size]) / native_step
     # the service thread's stall timer, like the burst and heartbeat intervals, fires as
     # often a step as at native speed (unscaled it woke ~50x as often a step)
     publisher_service.STALL_CHECK *= slowdown
@@ -317,8 +340,8 @@ def count_one(case: str, size: str, steps: int, warmup: int, slowdown: float) ->
         runner.block()
     finally:
         runner.close()
-    print(json.dumps({"case": case, "size": size, "steps": steps, "windows": len(window.spans)}),
-          flush=True)
+    print(json.dumps({"case": case, "size": size, "steps": steps, "windows": len(window.spans),
+                      "slowdown": round(slowdown, 1)}), flush=True)
 
 
 def callgrind_counts(prefix: Path) -> tuple[int, int]:
@@ -343,8 +366,11 @@ def instructions(sizes: list[str], steps: int, warmup: int, slowdown: float | No
     """Each case twice under callgrind, windows of `steps` and 4x `steps`: the training
     thread's instructions a step from its window, the other threads' from the difference
     of the two runs' totals (their costs cannot be cut to a window from the loop)."""
-    out: dict = {}
+    out: dict = {"slowdown": {}}
     runs = [(case, size, n) for size in sizes for case in cases for n in (steps, 4 * steps)]
+    # natively, on an idle core (before the valgrind runs take both)
+    native = {size: min(hand_step_seconds(size, CALIBRATION_STEPS[size] * 10) for _ in range(5))
+              for size in sizes}
     with tempfile.TemporaryDirectory(prefix="offloop-callgrind-") as tmp:
         folder = Path(tmp)
         env = {**os.environ, "OFFLOOP_WINDOW_LIBRARY": window_library(folder),
@@ -356,10 +382,14 @@ def instructions(sizes: list[str], steps: int, warmup: int, slowdown: float | No
             cmd = ["valgrind", "--tool=callgrind", "--separate-threads=yes",
                    f"--callgrind-out-file={prefix}.%p", sys.executable, __file__, "--count", case,
                    "--sizes", size, "--steps", str(n), "--warmup", str(warmup),
-                   "--slowdown", str(slowdown or SLOWDOWN[size])]
+                   "--native-step", repr(native[size])]
+            if slowdown is not None:
+                cmd += ["--slowdown", str(slowdown)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
             if done.returncode != 0:
                 raise SystemExit(f"{case} {size} under valgrind failed:\n{done.stderr[-3000:]}")
+            said = json.loads(done.stdout.strip().splitlines()[-1])
+            out["slowdown"][f"{case}_{size}_{n}"] = said["slowdown"]
             return callgrind_counts(prefix)
 
         began = time.monotonic()
@@ -423,7 +453,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="steps a window (default: 200 tiny, 40 large; 300 counting)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--slowdown", type=float, default=None,
-                        help="under valgrind, how many times longer a step takes (default: by size)")
+                        help="under valgrind, how many times longer a step takes (default: measured)")
+    parser.add_argument("--native-step", type=float, help=argparse.SUPPRESS)  # seconds, for --count
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     bench.DEVICE = torch.device(args.device)  # every case's model and batches (trainer_overhead.py)
@@ -437,12 +468,13 @@ def main() -> None:
     sizes = args.sizes.split(",")
     cases = [c for c in args.cases.split(",") if c in CASES]
     if args.count:
-        count_one(args.count, sizes[0], args.steps or 300, args.warmup,
-                  args.slowdown or SLOWDOWN[sizes[0]])
+        count_one(args.count, sizes[0], args.steps or 300, args.warmup, args.slowdown,
+                  args.native_step)
         return
     result: dict = {}
     if args.what in ("both", "instructions"):
         counted = instructions(sizes, args.steps or 300, args.warmup, args.slowdown, cases)
+        slowdowns = counted.pop("slowdown")
         for key, value in counted.items():
             print(json.dumps({"case": key, **value}), flush=True)
         for size in sizes if set(cases) == set(CASES) else ():  # a subset: the counts alone
@@ -464,7 +496,7 @@ def main() -> None:
             result["instr_target"] = {"instr_over_floor": TARGET_INSTR_OVER_FLOOR, "met": all(
                 result[f"{c}_over_floor_{s}"] <= TARGET_INSTR_OVER_FLOOR
                 for c in ("every_event", "realistic") for s in sizes)}
-        result["slowdown"] = {size: args.slowdown or SLOWDOWN[size] for size in sizes}
+        result["slowdown"] = slowdowns
     if args.what in ("both", "time"):
         steps = {"tiny": args.steps or 200, "large": args.steps or 40}
         timed = times(sizes, args.rounds, steps, args.warmup, cases)

@@ -92,7 +92,7 @@ class HookedRun:
 
     @timestamp.setter
     def timestamp(self, ts: Timestamp) -> None:
-        self._timestamp, self._now = ts, ts.as_tuple()  # the tuple every event carries
+        self._timestamp, self._now = ts, ts.wire  # the tuple every event carries
 
     # ------------------------------------------------------------------ start
 
