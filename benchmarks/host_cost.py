@@ -88,7 +88,7 @@ from trainer_overhead import SEED, EveryEvent, PublishingLoop, make_batches, mak
 from offloop.bus import publisher_service
 from offloop.callbacks import CheckpointSaver, EarlyStopper, LRMonitor, SpeedMonitor
 from offloop.loggers import TensorboardLogger
-from offloop.trainer import Trainer
+from offloop.trainer import Trainer, supervisor
 
 CASES = ("hand", "floor", "every_event", "realistic", "lightning_bare", "lightning_empty",
          "offloop_callback")
@@ -330,9 +330,10 @@ def count_one(case: str, size: str, steps: int, warmup: int, slowdown: float | N
     library = ctypes.CDLL(os.environ["OFFLOOP_WINDOW_LIBRARY"])
     if slowdown is None:
         slowdown = hand_step_seconds(size, CALIBRATION_STEPS[size]) / native_step
-    # the service thread's stall timer, like the burst and heartbeat intervals, fires as
-    # often a step as at native speed (unscaled it woke ~50x as often a step)
+    # the service thread's stall timer and the workers' supervisor, like the burst and
+    # heartbeat intervals, wake as often a step as at native speed (unscaled: ~100x as often)
     publisher_service.STALL_CHECK *= slowdown
+    supervisor.SUPERVISE_EVERY *= slowdown
     edges = {True: library.offloop_window_open, False: library.offloop_window_close}
     window = Window(make_batches(size, 64), warmup, steps, mark=lambda opening: edges[opening]())
     runner = build(case, size, window, slowdown)

@@ -61,6 +61,8 @@ from {WORKER_PROGRAM} import main
 main(conn, settings)
 """
 _SERVE_EVERY = 0.05  # seconds: a boundary wait also serves requests this often without a wake-up
+#: seconds between the supervising thread's looks at its workers when none has written
+SUPERVISE_EVERY = 0.5
 #: seconds fit() waits at most for the worker drawing the progress bars to draw the last one
 PROGRESS_WAIT = 5.0
 
@@ -336,7 +338,7 @@ class CallbackWorkers:
         while not self._stop.is_set():
             if all(w.gone for w in self.workers):
                 return
-            self._receive(timeout=0.5)
+            self._receive(timeout=SUPERVISE_EVERY)
 
     def fit_ended(self) -> int:
         """A fit_end is about to be published: its number (1 for the first fit)."""
