@@ -329,6 +329,8 @@ def count_one(case: str, size: str, steps: int, warmup: int, slowdown: float | N
     """Under valgrind: one window of `case`, its costs dumped as it closes."""
     library = ctypes.CDLL(os.environ["OFFLOOP_WINDOW_LIBRARY"])
     if slowdown is None:
+        if not native_step:
+            raise SystemExit("host_cost.py --count needs --slowdown, or --native-step (seconds)")
         slowdown = hand_step_seconds(size, CALIBRATION_STEPS[size]) / native_step
     # the service thread's stall timer and the workers' supervisor, like the burst and
     # heartbeat intervals, wake as often a step as at native speed (unscaled: ~100x as often)
