@@ -47,7 +47,8 @@ class ConnectionCap:
         # by hand, not get_monitor_socket(): an unbounded pipe, since an event dropped on a
         # full one would leave the count wrong
         endpoint = f"inproc://offloop-monitor-{uuid.uuid4().hex}"
-        sock.monitor(endpoint, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | events)
+        sock.monitor(endpoint, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+                     | events)
         self.monitor = sock.context.socket(zmq.PAIR)
         self.monitor.rcvhwm = 0
         self.monitor.connect(endpoint)
@@ -77,6 +78,11 @@ class ConnectionCap:
                 if fd in self.live:
                     self.live.discard(fd)
                     closed.append(fd)
+            elif kind == zmq.EVENT_CLOSED:
+                # the listener: an unbind (events_proxy's cut) ends every connection made
+                # through it, and libzmq says DISCONNECTED for none of them
+                closed += sorted(self.live)
+                self.live.clear()
             elif self._on_event is not None:
                 self._on_event(event)
         return opened, closed

@@ -120,20 +120,25 @@ def _events(front: zmq.Socket, back: zmq.Socket) -> None:
 def _connections(connections: ConnectionCap, ledger: SubscriptionCap, front: zmq.Socket) -> None:
     """Connections come and go: a connection that ended takes what it filed with it,
     passed upstream here (libzmq's own undoings name everything the peer sent, filed or
-    not, and would take away a prefix another connection holds)."""
+    not, and would take away a prefix another connection holds). A descriptor accepted
+    again ends whatever the ledger still held on it."""
     opened, closed = connections.take()
-    for fd in opened:
-        ledger.opened(fd)
-    for fd in closed:
+    for fd in closed + opened:
         for prefix in ledger.closed(fd):
             front.send(b"\x00" + prefix)
+    for fd in opened:
+        ledger.opened(fd)
 
 
 def _subscriptions(back: zmq.Socket, front: zmq.Socket, ledger: SubscriptionCap,
                    connections: ConnectionCap) -> None:
     """Every message the public socket's peers sent: a subscription is filed and passed
     upstream if the ledger allows it; an unsubscription only of what that connection has
-    filed; anything else goes upstream, where the publisher counts it (`events_foreign`)."""
+    filed; anything else goes upstream, where the publisher counts it (`events_foreign`).
+
+    Descriptors are reused as soon as a connection ends, so each subscription is judged
+    after the monitor's news up to it (libzmq says ACCEPTED before it reads a byte of the
+    connection): the connection it names is the one that sent it, or one that has ended."""
     while True:
         try:
             message = back.recv(zmq.NOBLOCK, copy=False)
@@ -147,6 +152,9 @@ def _subscriptions(back: zmq.Socket, front: zmq.Socket, ledger: SubscriptionCap,
             fd = message.get(zmq.SRCFD)
         except zmq.ZMQError:  # libzmq's own, for a closed connection: _connections did it
             continue
+        _connections(connections, ledger, front)
+        if fd not in connections.live:  # it ended (or was cut at the cap): libzmq drops its pipe
+            continue
         prefix = data[1:]
         if data[0] == _UNSUBSCRIBE:
             if ledger.unsubscribe(fd, prefix):
@@ -157,6 +165,8 @@ def _subscriptions(back: zmq.Socket, front: zmq.Socket, ledger: SubscriptionCap,
         if verdict is Verdict.FILE:
             back.setsockopt(zmq.SUBSCRIBE, prefix)
             front.send(message)
+        elif verdict is Verdict.KNOWN:  # filed again for this pipe (libzmq keeps one of each)
+            back.setsockopt(zmq.SUBSCRIBE, prefix)
         elif verdict is Verdict.CUT:
             if ledger.cut & (ledger.cut - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
                 log.warning("offloop: cut an events connection that asked for more than %d "

@@ -51,16 +51,16 @@ _CLOSE_WAIT = 1.0
 
 class Verdict(Enum):
     FILE = "file"  # file it for this connection and pass it upstream
-    KNOWN = "known"  # this connection has it already: nothing to do
+    KNOWN = "known"  # this connection has it already: nothing to pass upstream
+    IGNORE = "ignore"  # from a connection being cut: nothing to do
     REFUSE = "refuse"  # past TOTAL: counted, not filed
     CUT = "cut"  # past PER_PEER or longer than a topic: counted, the connection shut down
 
 
 class SubscriptionCap:
     """Who holds which prefix: `opened`/`closed` from the socket's monitor, `subscribe`/
-    `unsubscribe` for each message a connection sends. A connection's descriptor can be
-    seen on a subscription before its ACCEPTED event (both arrive within microseconds); its
-    entry is then made at the subscription."""
+    `unsubscribe` for each message a connection sends, each after the monitor's news up to
+    that message (events_proxy), since a descriptor is reused once its connection ends."""
 
     def __init__(self, per_peer: int = PER_PEER, total: int = TOTAL) -> None:
         if per_peer < 1 or total < 1:
@@ -91,8 +91,10 @@ class SubscriptionCap:
         return prefixes
 
     def subscribe(self, fd: int, prefix: bytes) -> Verdict:
+        if fd in self._cut:
+            return Verdict.IGNORE
         held = self._peers.setdefault(fd, set())
-        if prefix in held or fd in self._cut:
+        if prefix in held:
             return Verdict.KNOWN
         if len(held) >= self.per_peer or len(prefix) > LONGEST_PREFIX:
             self.refused += 1
