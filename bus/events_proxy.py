@@ -165,7 +165,9 @@ def _subscriptions(back: zmq.Socket, front: zmq.Socket, ledger: SubscriptionCap,
         if verdict is Verdict.FILE:
             back.setsockopt(zmq.SUBSCRIBE, prefix)
             front.send(message)
-        elif verdict is Verdict.KNOWN:  # filed again for this pipe (libzmq keeps one of each)
+        elif verdict is Verdict.KNOWN:
+            # filed again for the pipe it came by: nothing new for the same connection (libzmq
+            # files a pipe once a prefix), and a guard for a new one on a reused descriptor
             back.setsockopt(zmq.SUBSCRIBE, prefix)
         elif verdict is Verdict.CUT:
             if ledger.cut & (ledger.cut - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
