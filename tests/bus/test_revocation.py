@@ -45,14 +45,14 @@ def served(keys, through_relay: bool):
     relay = None
     try:
         publisher.start()
-        if not through_relay:
-            yield publisher, publisher.endpoints["events"], publisher.stats
-            return
-        info = RunInfo(publisher.run_id, "revoked", os.getpid(), time.time(), dict(publisher.endpoints),
-                       curve_public=server.public.decode())
-        relay = Relay(info, keys=load_server_keys(keys), upstream=load_client_keys(keys, "relay", server.public))
-        relay.start()
-        yield publisher, relay.endpoints["events"], relay.stats
+        served_by = publisher
+        if through_relay:
+            info = RunInfo(publisher.run_id, "revoked", os.getpid(), time.time(), dict(publisher.endpoints),
+                           curve_public=server.public.decode())
+            relay = served_by = Relay(info, keys=load_server_keys(keys),
+                                      upstream=load_client_keys(keys, "relay", server.public))
+            relay.start()
+        yield publisher, served_by.endpoints["events"], served_by.stats
     finally:
         if relay is not None:
             relay.close()
