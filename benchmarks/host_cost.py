@@ -144,14 +144,17 @@ class Window:
         start = None
         i = 0
         while True:
+            # the readings stay outside the window and the training thread's span: one
+            # reads a /proc file a thread, and offloop's cases have 8-9 threads to hand's 2
             if i == warmup:
+                others = other_threads_ns(own)  # read first: not in the training thread's span
+                start = (time.thread_time_ns(), others)
                 if self.mark is not None:
                     self.mark(True)
-                start = (time.thread_time_ns(), other_threads_ns(own))
             elif i == end and start is not None:
-                stop = (time.thread_time_ns(), other_threads_ns(own))
                 if self.mark is not None:
                     self.mark(False)
+                stop = (time.thread_time_ns(), other_threads_ns(own))
                 self.spans.append((stop[0] - start[0], stop[1] - start[1]))
             yield batches[i % len(batches)]
             i += 1
