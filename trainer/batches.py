@@ -43,6 +43,9 @@ def pair(batch: Any) -> tuple[Any, Any]:
 
 def batch_size(batch: Any) -> int:
     """The first dimension of the batch's first tensor (in tuples, lists and dicts)."""
+    first = batch[0] if type(batch) is tuple and batch else batch
+    if type(first) is torch.Tensor and first.ndim:  # the usual batch, read at every step
+        return first.shape[0]
     while isinstance(batch, (tuple, list)) and batch:  # the first element's
         batch = batch[0]
     if isinstance(batch, torch.Tensor):

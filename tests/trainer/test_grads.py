@@ -93,11 +93,15 @@ def test_the_buffer_trains_bit_for_bit_as_set_to_none_and_unused_parameters_are_
         assert math.isclose(norm, expected, rel_tol=1e-6)
 
 
-def test_a_grad_replaced_during_a_step_gives_the_buffer_up_and_training_goes_on_unchanged(tmp_path):
+@pytest.mark.parametrize("replaced", ["head", "body"])
+def test_a_grad_replaced_during_a_step_gives_the_buffer_up_and_training_goes_on_unchanged(tmp_path,
+                                                                                           replaced):
+    """In a step where `extra` gets no gradient (the sixth): replaced after it (`head`) or
+    before it (`body`), `extra` still goes to None, as zero_grad(set_to_none=True) leaves it."""
     class Replacer(SometimesUnused):
         def forward(self, x):
             if self.calls == 5:
-                self.head.weight.grad = None  # backward now makes a tensor of its own
+                getattr(self, replaced).weight.grad = None  # backward now makes a tensor of its own
             return super().forward(x)
 
     data = batches()

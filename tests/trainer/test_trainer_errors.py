@@ -12,6 +12,7 @@ from torch import nn
 
 from offloop.trainer import CheckpointError, ConfigError, Trainer, TrainerError
 from offloop.trainer.arguments import resolve_device
+from offloop.trainer.batches import batch_size
 
 F = torch.nn.functional
 
@@ -180,3 +181,22 @@ def test_a_closed_trainer_is_freed_once_nothing_else_holds_it(tmp_path):
     del trainer
     gc.collect()
     assert ref() is None  # atexit no longer holds it
+
+
+@pytest.mark.parametrize("batch, size", [
+    ((torch.zeros(7, 3), torch.zeros(7)), 7),  # the usual (input, target)
+    ([torch.zeros(5, 2), torch.zeros(5)], 5),
+    ({"input_ids": torch.zeros(4, 9, dtype=torch.long)}, 4),
+    (((torch.zeros(3, 2), torch.zeros(3, 2)), torch.zeros(3)), 3),  # a nested input
+    (torch.zeros(6, 2), 6),
+    ((torch.tensor(2.0), torch.zeros(1)), 1),  # a 0-d first tensor counts as one sample
+    ((torch.nn.Parameter(torch.zeros(2, 2)), torch.zeros(2)), 2),  # a Tensor subclass
+])
+def test_a_batchs_size_is_its_first_tensors_first_dimension(batch, size):
+    assert batch_size(batch) == size
+
+
+@pytest.mark.parametrize("batch", [(), ["text"], {}, 3.0])
+def test_a_batch_without_a_tensor_has_its_size_refused_by_its_type(batch):
+    with pytest.raises(TrainerError, match="cannot tell the batch size of a"):
+        batch_size(batch)
