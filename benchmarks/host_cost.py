@@ -144,8 +144,8 @@ class Window:
         start = None
         i = 0
         while True:
-            # the readings stay outside the window and the training thread's span: one
-            # reads a /proc file a thread, and offloop's cases have 8-9 threads to hand's 2
+            # the readings stay outside the window and the training thread's span: each
+            # opens a /proc file per thread, and offloop's cases have more threads than hand's
             if i == warmup:
                 others = other_threads_ns(own)  # read first: not in the training thread's span
                 start = (time.thread_time_ns(), others)
