@@ -177,6 +177,10 @@ class Trainer:
         self.grad_buffer: GradBuffer | None = None
         #: True until the fit's first step has decided whether to adopt the buffer
         self.grad_buffer_pending = False
+        #: the last step's loss, kept through the next step's forward: its graph holds each
+        #: parameter's gradient accumulator, which that forward then reuses rather than
+        #: builds anew, as a hand-written loop's `loss` variable lets it (docs/trainer.md)
+        self._last_graph: torch.Tensor | None = None
 
     def _start(self, load_path: str | os.PathLike | None) -> None:
         """Workers listening, then init, before_load, the checkpoint, after_load."""
@@ -223,6 +227,7 @@ class Trainer:
             self.controller.end_loop(self.timestamp)  # a SIGTERM's checkpoint, if still owed
             completed = True
         finally:  # returns once every checkpoint taken is durable
+            self._last_graph = None
             services.end_fit(self.timestamp, wait_for_progress_bars=True, completed=completed)
         if self.controller.sigterm:
             self.close()
@@ -350,6 +355,7 @@ class Trainer:
             emit(Topic.BEFORE_BACKWARD, now, micro_data)
             (scaler.scale(loss) if scaler is not None else loss).backward()
             emit(Topic.AFTER_BACKWARD, now, micro_data)
+        self._last_graph = loss
         if grads is not None:
             if not grads.settle():  # a .grad was replaced: the buffer no longer holds them
                 self.grad_buffer = None

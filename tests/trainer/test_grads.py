@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from offloop.trainer import Trainer
 from offloop.trainer.errors import ConfigError
@@ -113,6 +114,33 @@ def test_a_grad_replaced_during_a_step_gives_the_buffer_up_and_training_goes_on_
         assert torch.equal(ours, theirs)
     for (norm, _), expected in zip(seen, ref_norms, strict=True):
         assert math.isclose(norm, expected, rel_tol=1e-6)
+
+
+class MarksItsAccumulator(nn.Module):
+    """At each forward, marks its weight's gradient accumulator (the autograd node that adds
+    into `.grad`) and records the mark the node already had: None for a node built anew."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.seen = nn.Linear(8, 3), []
+
+    def forward(self, x):
+        node = get_gradient_edge(self.lin.weight).node  # the live one, or a new one
+        self.seen.append(node.metadata.get("forward"))
+        node.metadata.setdefault("forward", len(self.seen))
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_each_forward_reuses_the_accumulators_the_first_one_built_and_fit_keeps_none(tmp_path, grad_accum):
+    """As a hand-written loop's `loss` keeps its graph until the next step: building the
+    nodes anew at every step costs instructions a step (docs/trainer.md)."""
+    model = MarksItsAccumulator()
+    train(tmp_path, batches(4), model=model, grad_accum=grad_accum)
+    assert model.seen == [None] + [1] * (4 * grad_accum - 1)
+    model(torch.randn(2, 8))  # after fit() no graph of it is kept: the node is new
+    assert model.seen[-1] is None
 
 
 def test_contiguous_grads_false_keeps_set_to_none_and_a_bad_value_is_refused(tmp_path):
