@@ -26,8 +26,8 @@ batch. Worker processes are not the trainer's: their CPU is not counted (they ru
 cores in a real job); every thread of the trainer process is.
 
 Instructions (--what instructions, or both): each case runs once under
-`valgrind --tool=callgrind`, every thread's costs zeroed as the window opens and dumped as
-it closes (client requests, from a tiny library compiled here), glibc told never to use
+`valgrind --tool=callgrind`, the training thread's costs zeroed as the window opens and
+dumped as it closes (client requests, from a tiny library compiled here), glibc told never to use
 `rep stosb`/`rep movsb` (COUNTABLE_STRINGS: valgrind would count each byte they move).
 Per step: the training thread's instructions in the window over its steps, plus the
 other threads' (a client request reaches its own thread only, so theirs come from two runs,
@@ -104,8 +104,9 @@ CALIBRATION_STEPS = {"tiny": 20, "large": 2}
 #: case is counted with it alike; natively glibc chooses as it likes (docs/benchmarks.md)
 COUNTABLE_STRINGS = ("glibc.cpu.x86_rep_stosb_threshold=18446744073709551615:"
                      "glibc.cpu.x86_rep_movsb_threshold=18446744073709551615")
-#: the window's edges under callgrind: costs zeroed as it opens (every thread's), dumped as it
-#: closes (a collection toggle would count the calling thread only)
+#: the window's edges under callgrind: the calling thread's costs zeroed as it opens, dumped as
+#: it closes (each request reaches the calling thread only; stopping the instrumentation after
+#: the window left the other threads' counts wrapped below zero: docs/benchmarks.md)
 WINDOW_SOURCE = """#include <valgrind/callgrind.h>
 void offloop_window_open(void) { CALLGRIND_ZERO_STATS; }
 void offloop_window_close(void) { CALLGRIND_DUMP_STATS_AT("offloop-window"); }
