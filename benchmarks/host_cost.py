@@ -26,12 +26,14 @@ batch. Worker processes are not the trainer's: their CPU is not counted (they ru
 cores in a real job); every thread of the trainer process is.
 
 Instructions (--what instructions, or both): each case runs once under
-`valgrind --tool=callgrind`, the training thread's costs zeroed as the window opens and
-dumped as it closes (client requests, from a tiny library compiled here), glibc told never to use
-`rep stosb`/`rep movsb` (COUNTABLE_STRINGS: valgrind would count each byte they move).
-Per step: the training thread's instructions in the window over its steps, plus the
-other threads' (a client request reaches its own thread only, so theirs come from two runs,
-windows of N and 4N steps: the difference of their totals over 3N); the figure is the
+`valgrind --tool=callgrind`, glibc told never to use `rep stosb`/`rep movsb`
+(COUNTABLE_STRINGS: valgrind would count each byte they move). As the window opens, every
+thread's costs are zeroed (`callgrind_control --zero`), then the training thread's again
+(a client request, from a tiny library compiled here: the first call's return is not a
+step); as it closes, the training thread's are dumped (a client request), then every
+thread's (`callgrind_control --dump`). Per step: the training thread's instructions from
+its own dump, plus the other threads' from the second, over the window's steps (a client
+request reaches the calling thread only, docs/benchmarks.md); the figure is the
 instructions added over `hand`, and offloop's as a multiple of `floor`'s.
 Under valgrind a step takes longer (about 150 times on the tiny MLP, 3 000 on the large
 one, whose vectorised matrix products are emulated, and more on a busy machine), so the
@@ -96,6 +98,8 @@ from offloop.trainer import Trainer, supervisor
 CASES = ("hand", "floor", "every_event", "realistic", "lightning_bare", "lightning_empty",
          "offloop_callback")
 TARGET_INSTR_OVER_FLOOR, TARGET_ADDED_US = 2.0, 20.0
+#: a counted window's steps, by size (a large step takes ~7 s under valgrind)
+COUNT_STEPS = {"tiny": 1200, "large": 30}
 #: steps timed to measure valgrind's slowdown, by size (a large step takes ~10 s there)
 CALIBRATION_STEPS = {"tiny": 20, "large": 2}
 #: glibc's memset and memcpy use vector loops at every size, never `rep stosb`/`rep movsb`:
@@ -343,7 +347,16 @@ def count_one(case: str, size: str, steps: int, warmup: int, slowdown: float | N
     # heartbeat intervals, wake as often a step as at native speed (unscaled: ~100x as often)
     publisher_service.STALL_CHECK *= slowdown
     supervisor.SUPERVISE_EVERY *= slowdown
-    edges = {True: library.offloop_window_open, False: library.offloop_window_close}
+
+    def open_window() -> None:
+        callgrind_control("--zero")  # every thread's costs from here
+        library.offloop_window_open()  # and the training thread's from past that call's return
+
+    def close_window() -> None:
+        library.offloop_window_close()  # the training thread's window: the run's first dump
+        callgrind_control("--dump=offloop-window-every-thread")  # the second: every thread's
+
+    edges = {True: open_window, False: close_window}
     window = Window(make_batches(size, 64), warmup, steps, mark=lambda opening: edges[opening]())
     runner = build(case, size, window, slowdown)
     try:
@@ -354,10 +367,17 @@ def count_one(case: str, size: str, steps: int, warmup: int, slowdown: float | N
                       "slowdown": round(slowdown, 1)}), flush=True)
 
 
+def callgrind_control(*action: str) -> None:
+    """Ask callgrind, from outside, to act on every thread of this process (a client request
+    reaches the calling thread only); it answers once done (valgrind's gdbserver, vgdb)."""
+    subprocess.run(["callgrind_control", *action, str(os.getpid())], check=True,
+                   capture_output=True, timeout=600)
+
+
 def callgrind_counts(prefix: Path) -> tuple[int, int]:
-    """(the training thread's instructions in the window, the other threads' in the whole
-    run) from callgrind's files: the window's dump `<prefix>.<pid>.1-01` (a client request
-    dumps its own thread only) and the other threads' final ones `<prefix>.<pid>-<n>`."""
+    """(the training thread's instructions in the window, the other threads') from
+    callgrind's files: the training thread's own dump `<prefix>.<pid>.1-01` and every
+    thread's `<prefix>.<pid>.2-<n>`, of which all but the first (`-01`) are the others'."""
     def summary(path: Path) -> int:
         for line in path.read_text(errors="replace").splitlines():
             if line.startswith(("summary:", "totals:")):
@@ -365,19 +385,17 @@ def callgrind_counts(prefix: Path) -> tuple[int, int]:
         return 0
 
     window = sorted(prefix.parent.glob(prefix.name + ".*.1-01"))
-    if len(window) != 1:
-        raise SystemExit(f"no callgrind dump of the window beside {prefix}")
-    others = [p for p in prefix.parent.glob(prefix.name + ".*-*")
-              if ".1-" not in p.name and not p.name.endswith("-01")]
-    return summary(window[0]), sum(summary(p) for p in others)
+    every_thread = sorted(prefix.parent.glob(prefix.name + ".*.2-*"))
+    if len(window) != 1 or len(every_thread) < 2:
+        raise SystemExit(f"no callgrind dumps of the window beside {prefix}")
+    return summary(window[0]), sum(summary(p) for p in every_thread if not p.name.endswith("-01"))
 
 
 def instructions(sizes: list[str], steps: int, warmup: int, slowdown: float | None, cases) -> dict:
-    """Each case twice under callgrind, windows of `steps` and 4x `steps`: the training
-    thread's instructions a step from its window, the other threads' from the difference
-    of the two runs' totals (their costs cannot be cut to a window from the loop)."""
+    """Each case once under callgrind, a window of `steps` (by size, COUNT_STEPS, where 0):
+    the training thread's instructions a step and the other threads'."""
     out: dict = {"slowdown": {}}
-    runs = [(case, size, n) for size in sizes for case in cases for n in (steps, 4 * steps)]
+    runs = [(case, size, steps or COUNT_STEPS[size]) for size in sizes for case in cases]
     # natively, on an idle core (before the valgrind runs take both)
     native = {size: min(hand_step_seconds(size, CALIBRATION_STEPS[size] * 10) for _ in range(5))
               for size in sizes}
@@ -405,15 +423,12 @@ def instructions(sizes: list[str], steps: int, warmup: int, slowdown: float | No
         began = time.monotonic()
         with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2))) as pool:
             counts = dict(zip(runs, pool.map(lambda r: run(*r), runs), strict=True))
-        for size in sizes:
-            for case in cases:
-                (main1, other1), (main4, other4) = counts[case, size, steps], counts[case, size, 4 * steps]
-                main = (main1 + main4) / (5 * steps)  # both windows' steps together
-                others = (other4 - other1) / (3 * steps)
-                out[f"{case}_{size}"] = {"instr": round(main + others), "instr_main": round(main),
-                                         "instr_other_threads": round(others)}
-                print(f"{case} {size}: {main + others:,.0f} instructions a step ({main:,.0f} on the "
-                      f"training thread)", file=sys.stderr, flush=True)
+        for case, size, n in runs:
+            main, others = (count / n for count in counts[case, size, n])
+            out[f"{case}_{size}"] = {"instr": round(main + others), "instr_main": round(main),
+                                     "instr_other_threads": round(others)}
+            print(f"{case} {size}: {main + others:,.0f} instructions a step ({main:,.0f} on the "
+                  f"training thread)", file=sys.stderr, flush=True)
         print(f"counted in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
     return out
 
@@ -460,7 +475,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="tiny,large")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=0, help="steps a window (default: 200 tiny, 40 large; 300 counting)")
+    parser.add_argument("--steps", type=int, default=0, help="steps a window (default: 200 tiny, 40 large; counting 1 200 and 30)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--slowdown", type=float, default=None,
                         help="under valgrind, how many times longer a step takes (default: measured)")
@@ -478,12 +493,12 @@ def main() -> None:
     sizes = args.sizes.split(",")
     cases = [c for c in args.cases.split(",") if c in CASES]
     if args.count:
-        count_one(args.count, sizes[0], args.steps or 300, args.warmup, args.slowdown,
+        count_one(args.count, sizes[0], args.steps or COUNT_STEPS[sizes[0]], args.warmup, args.slowdown,
                   args.native_step)
         return
     result: dict = {}
     if args.what in ("both", "instructions"):
-        counted = instructions(sizes, args.steps or 300, args.warmup, args.slowdown, cases)
+        counted = instructions(sizes, args.steps, args.warmup, args.slowdown, cases)
         slowdowns = counted.pop("slowdown")
         for key, value in counted.items():
             print(json.dumps({"case": key, **value}), flush=True)
@@ -491,8 +506,8 @@ def main() -> None:
             hand = counted[f"hand_{size}"]["instr"]
             floor = counted[f"floor_{size}"]["instr"] - hand
             result[f"floor_added_instr_{size}"] = floor
-            # the training thread alone beside: the other threads' figure carries the noise
-            # of a difference of two runs
+            # the training thread alone beside: what holds the step up itself (the other
+            # threads' work runs where a core is free)
             hand_main = counted[f"hand_{size}"]["instr_main"]
             floor_main = counted[f"floor_{size}"]["instr_main"] - hand_main
             for case in ("every_event", "realistic"):
