@@ -347,6 +347,7 @@ def count_one(case: str, size: str, steps: int, warmup: int, slowdown: float | N
     # heartbeat intervals, wake as often a step as at native speed (unscaled: ~100x as often)
     publisher_service.STALL_CHECK *= slowdown
     supervisor.SUPERVISE_EVERY *= slowdown
+    supervisor.PROGRESS_EVERY *= slowdown  # the workers' reports, read by a trainer thread
 
     def open_window() -> None:
         callgrind_control("--zero")  # every thread's costs from here

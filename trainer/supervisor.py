@@ -63,6 +63,8 @@ main(conn, settings)
 _SERVE_EVERY = 0.05  # seconds: a boundary wait also serves requests this often without a wake-up
 #: seconds between the supervising thread's looks at its workers when none has written
 SUPERVISE_EVERY = 0.5
+#: seconds between a worker's progress reports (how far it is: `behind()`), sent to it at start
+PROGRESS_EVERY = 1.0
 #: seconds fit() waits at most for the worker drawing the progress bars to draw the last one
 PROGRESS_WAIT = 5.0
 
@@ -253,6 +255,7 @@ class CallbackWorkers:
         conn = Connection(ours.detach())
         settings = {"sys_path": import_path(), "run_dir": self.run_dir, "keys": self.keys,
                     "heartbeat_timeout": self.heartbeat_timeout, "nice": self.nice,
+                    "progress_every": PROGRESS_EVERY,
                     "count": len(payloads), "index": index, "loggers": len(loggers),
                     "builtins": self._builtins if index == 0 else {}}
         conn.send_bytes(pickle.dumps(settings))

@@ -45,7 +45,6 @@ from offloop.workers.state_writer import StateWriter
 __all__ = ["CallbackRuntime", "Worker", "WorkerStats", "serve_trainer_callbacks",
            "StopTrainingError"]
 
-PROGRESS_EVERY = 1.0  # seconds between a spawned worker's progress reports to its trainer
 #: checkpoints taken whose callbacks' states a worker holds until the file is durable (one
 #: is written at a time; a refused one is never answered by checkpoint_saved)
 _KEEP_TAKEN_STATES = 4
@@ -174,11 +173,12 @@ class CallbackRuntime:
     def run(self, on_fit_end: Callable[[dict], None] | None = None,
             on_progress: Callable[[dict], None] | None = None,
             on_answer: Callable[[int], None] | None = None,
-            on_delivered: Callable[[dict], None] | None = None) -> int:
+            on_delivered: Callable[[dict], None] | None = None, progress_every: float = 1.0) -> int:
         """Dispatch events until the run ends; returns 0, or 3 if the trainer fell silent.
-        `on_progress` gets {"batch", "events", "logs"} about once a second: the trainer that
-        started this worker tells from it how far behind the worker (and its loggers: the
-        calls they have still to make) is when the run ends.
+        `on_progress` gets {"batch", "events", "logs"} every `progress_every` seconds (as the
+        trainer that started this worker asks: supervisor.PROGRESS_EVERY); that trainer tells
+        from it how far behind the worker (and its loggers: the calls they have still to make)
+        is when the run ends.
         `on_answer` gets the id of each event the trainer awaits from this worker (AWAITS),
         once its callbacks have handled it. `on_delivered` gets {"fit"} once the loggers
         have made every call up to that fit's end (from the delivering thread)."""
@@ -192,7 +192,7 @@ class CallbackRuntime:
                 if on_progress is not None and time.monotonic() >= next_progress:
                     on_progress({"batch": self.state.timestamp.batch, "events": self.stats.events,
                                  "logs": self.logger.queued})
-                    next_progress = time.monotonic() + PROGRESS_EVERY
+                    next_progress = time.monotonic() + progress_every
                 msg = self._sub.recv(timeout=1.0)
                 if self._sub.stats.silences != self._heals_reported:
                     self._report_silence()
@@ -415,7 +415,8 @@ def _exit_with_trainer(conn, grace: float, name: str) -> None:
 
 def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: ClientKeys | None = None,
                             heartbeat_timeout: float = 10.0, index: int | None = None,
-                            loggers: list | None = None, builtins: dict[str, dict] | None = None) -> None:
+                            loggers: list | None = None, builtins: dict[str, dict] | None = None,
+                            progress_every: float = 1.0) -> None:
     """Entry point of a worker process the Trainer started for some of its callbacks (they
     run in order, as in Composer's loop). The shared worker also builds what the Trainer's
     own arguments name (`builtins`: a CheckpointSaver and a ProgressBar after the callbacks,
@@ -461,7 +462,7 @@ def serve_trainer_callbacks(callbacks: list, run_dir: str, conn, keys: ClientKey
             pass
 
     code = worker.run(on_fit_end=lambda stats: tell("fit_end", stats),
-                      on_progress=lambda progress: tell("progress", progress),
+                      on_progress=lambda progress: tell("progress", progress), progress_every=progress_every,
                       on_answer=lambda answer: tell("answer", answer),
                       on_delivered=lambda fit: tell("delivered", fit))
     if worker.exit_message and code:

@@ -64,7 +64,7 @@ def main(conn: Connection, settings: dict) -> None:
     try:
         serve_trainer_callbacks(callbacks, settings["run_dir"], conn, settings["keys"],
                                 settings["heartbeat_timeout"], settings.get("index"), loggers,
-                                settings.get("builtins"))
+                                settings.get("builtins"), settings["progress_every"])
     except SystemExit as end:  # served to the end: its callbacks and loggers are closed
         leave(end.code)
 

@@ -14,6 +14,7 @@ import torch
 from helpers.trainers import loader, mlp
 
 from offloop.trainer import Trainer
+from offloop.trainer import supervisor
 from offloop.trainer.supervisor import process_groups
 from offloop.workers import Callback
 
@@ -127,6 +128,22 @@ def test_close_says_how_far_behind_a_busy_worker_is_and_waits_no_longer_than_its
     assert any("Slow was still behind; terminating it" in m for m in said), said
     assert not any("exited with code" in m for m in said), said  # ended by close(), not a crash
     assert took < 2 + 5, f"close() took {took:.1f}s with worker_shutdown_timeout=2"  # not the 10 s backlog
+
+
+def test_workers_report_their_progress_as_often_as_the_trainer_asks(tmp_path, monkeypatch):
+    """The interval travels to the worker with its settings (host_cost.py scales it with the
+    other timers under valgrind); each report lands in the supervisor's note_progress."""
+    monkeypatch.setattr(supervisor, "PROGRESS_EVERY", 0.05)
+    reports = []
+    note = supervisor._WorkerProcess.note_progress
+    monkeypatch.setattr(supervisor._WorkerProcess, "note_progress",
+                        lambda worker, batch, now: (reports.append(now), note(worker, batch, now)))
+    data = [(torch.randn(4, 8), torch.randint(0, 3, (4,))) for _ in range(30)]  # 1.5 s of Slow's work
+    with Trainer(mlp(), data, "1ep", loss_fn=torch.nn.functional.cross_entropy, callbacks=[Slow()],
+                 run_dir=tmp_path / "run") as trainer:
+        trainer.fit()
+    # every 1 s (the default) would give 2 or 3 in these 1.5 s
+    assert len(reports) >= 8, f"{len(reports)} progress reports"
 
 
 def test_lines_printed_by_several_workers_into_one_pipe_arrive_whole_and_in_order(tmp_path):
