@@ -48,18 +48,13 @@ class Trainer:
         schedulers: Any = None,
         eval_dataloader: Iterable | Mapping[str, Iterable] | None = None,
         eval_interval: str | int | Time | Mapping[str, str | int | Time] = 1,
-        eval_metrics: Any = None,
-        loss_fn: Callable | None = None,
-        callbacks: list | None = None,
-        loggers: list | None = None,
-        algorithms: list | None = None,
-        run_name: str | None = None,
-        run_dir: str | os.PathLike | None = None,
+        eval_metrics: Any = None, loss_fn: Callable | None = None,
+        callbacks: list | None = None, loggers: list | None = None, algorithms: list | None = None,
+        run_name: str | None = None, run_dir: str | os.PathLike | None = None,
         device: str | torch.device = "auto",
         precision: str = "fp32",
         grad_accum: int = 1, device_train_microbatch_size: int | str | None = None,
-        load_path: str | os.PathLike | None = None,
-        save_folder: str | os.PathLike | None = None,
+        load_path: str | os.PathLike | None = None, save_folder: str | os.PathLike | None = None,
         save_filename: str | None = "ep{epoch}-ba{batch}-rank{rank}.pt",
         save_latest_filename: str | None = "latest-rank{rank}.pt",
         save_interval: str | int | Time | None = "1ep",
@@ -101,8 +96,8 @@ class Trainer:
         self.per_param_grad_norms = per_param_grad_norms
         self.contiguous_grads, self.publish_samples = contiguous_grads, publish_samples
         self.timestamp = Timestamp()
-        self.run_id, self.run_name, self.run_dir, self.save_folder = name_run(run_name, run_dir,
-                                                                              save_folder)
+        self.run_id, self.run_name, self.run_dir, self.save_folder = name_run(
+            run_name, run_dir, save_folder)
         builtins, load_path = arguments.worker_builtins(
             save_folder, self.save_folder, save_filename, save_latest_filename, save_interval,
             save_num_checkpoints_to_keep, autoresume, run_name, load_path, publish,
@@ -177,9 +172,8 @@ class Trainer:
         self.grad_buffer: GradBuffer | None = None
         #: True until the fit's first step has decided whether to adopt the buffer
         self.grad_buffer_pending = False
-        #: the last step's loss, kept through the next step's forward: its graph holds each
-        #: parameter's gradient accumulator, which that forward then reuses rather than
-        #: builds anew, as a hand-written loop's `loss` variable lets it (docs/trainer.md)
+        #: the last step's loss: its graph keeps the gradient accumulators for the next forward
+        #: to reuse, as a hand-written loop's `loss` does (docs/trainer.md)
         self._last_graph: torch.Tensor | None = None
 
     def _start(self, load_path: str | os.PathLike | None) -> None:

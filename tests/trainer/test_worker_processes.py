@@ -13,8 +13,7 @@ import pytest
 import torch
 from helpers.trainers import loader, mlp
 
-from offloop.trainer import Trainer
-from offloop.trainer import supervisor
+from offloop.trainer import Trainer, supervisor
 from offloop.trainer.supervisor import process_groups
 from offloop.workers import Callback
 
