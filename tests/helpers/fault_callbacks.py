@@ -34,8 +34,10 @@ class StepList(Callback):
         self.steps.append(state.timestamp.batch)
 
     def close(self, state, logger) -> None:
-        with open(self.path, "w") as out:
+        part = f"{self.path}.part"  # renamed once whole: a test reads the file as soon as it exists
+        with open(part, "w") as out:
             json.dump({"steps": self.steps, "gaps": state.gaps, "pid": os.getpid()}, out)
+        os.replace(part, self.path)
 
 
 class Stuck(Callback):
