@@ -73,7 +73,10 @@ class ControlClient:
         with self._lock:
             while True:
                 sock = self._socket()
-                sock.send(body)
+                try:  # a refused handshake ends the socket's one connection: a blocking send
+                    sock.send(body, zmq.NOBLOCK)  # would then wait for one that never comes
+                except zmq.Again:
+                    pass  # not sent: the next attempt's socket tries again
                 self.attempts += 1
                 until = min(deadline, time.monotonic() + retry)
                 while (left := until - time.monotonic()) > 0:
